@@ -1,0 +1,31 @@
+# Entry points. Every target bootstraps first, so each works on a fresh clone.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+RUN    := PATH=$(CURDIR)/$(VENV)/bin:$$PATH
+DEMO_OUT := results/demo
+
+.PHONY: bootstrap test lint unit parallel demo bench
+
+bootstrap:
+	bash ci/bootstrap
+
+lint: bootstrap
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+unit: bootstrap
+	$(RUN) $(PY) -m pytest -q -p no:cacheprovider tests/unit
+
+parallel: bootstrap
+	$(RUN) $(PY) -m tests.run_parallel
+
+test: lint unit parallel
+
+demo: bootstrap
+	mkdir -p $(DEMO_OUT)
+	$(RUN) horovodrun -np 2 -H localhost:2 --gloo $(PY) examples/pytorch/train_synthetic.py --density 1.0 --json $(DEMO_OUT)/dense.json
+	$(RUN) horovodrun -np 2 -H localhost:2 --gloo $(PY) examples/pytorch/train_synthetic.py --density 0.01 --json $(DEMO_OUT)/sparse.json
+	$(PY) examples/compare.py $(DEMO_OUT)/dense.json $(DEMO_OUT)/sparse.json
+
+bench: bootstrap
+	$(RUN) horovodrun -np 2 -H localhost:2 --gloo $(PY) benchmarks/allreduce.py

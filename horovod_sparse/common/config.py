@@ -1,0 +1,81 @@
+"""User-facing knobs of the sparse allreduce, validated once, plus the budget rule."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_FUSION_THRESHOLD_BYTES", "SparseConfig", "budget", "fusion_threshold_bytes"]
+
+# Horovod's own default fusion buffer (HOROVOD_FUSION_THRESHOLD): 128 MiB.
+DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
+
+SELECTION_METHODS = ("exact",)
+PARTITION_METHODS = ("uniform",)
+
+
+def fusion_threshold_bytes(override: int | None = None) -> int:
+    """Bucket capacity in bytes: ``override``, else ``HOROVOD_FUSION_THRESHOLD``, else 128 MiB."""
+    if override is not None:
+        value = int(override)
+    else:
+        value = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD_BYTES))
+    if value <= 0:
+        # Horovod treats 0 as "no fusion"; one tensor per bucket is the equivalent here.
+        return 1
+    return value
+
+
+def budget(numel: int, density: float) -> int:
+    """Global budget k = ceil(density * numel), at least 1 and at most ``numel``."""
+    return max(1, min(numel, math.ceil(density * numel)))
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Hyperparameters of the sparse allreduce.
+
+    Attributes:
+        density: target fraction of entries exchanged per bucket, in (0, 1].
+        min_sparse_numel: tensors with fewer elements go through dense ``hvd.allreduce``
+            (a sparse exchange of a bias vector costs more latency than it saves bytes).
+        selection: local selection method (``"exact"``: top-k by magnitude).
+        partition: how the index space is cut into owner regions (``"uniform"``).
+        fusion_threshold_bytes: bucket capacity; ``None`` follows ``HOROVOD_FUSION_THRESHOLD``.
+    """
+
+    density: float = 0.01
+    min_sparse_numel: int = 1024
+    selection: str = "exact"
+    partition: str = "uniform"
+    fusion_threshold_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        density = self.density
+        if isinstance(density, bool) or not isinstance(density, (int, float)):
+            raise TypeError(f"density must be a number in (0, 1], got {density!r}")
+        if not (0.0 < float(density) <= 1.0) or math.isnan(float(density)):
+            raise ValueError(
+                f"density must be in (0, 1], got {density!r}; use 1.0 for a dense exchange "
+                "or e.g. 0.01 to send 1% of the entries"
+            )
+        if int(self.min_sparse_numel) < 0:
+            raise ValueError(f"min_sparse_numel must be >= 0, got {self.min_sparse_numel}")
+        if self.selection not in SELECTION_METHODS:
+            raise ValueError(f"selection must be one of {SELECTION_METHODS}, got {self.selection!r}")
+        if self.partition not in PARTITION_METHODS:
+            raise ValueError(f"partition must be one of {PARTITION_METHODS}, got {self.partition!r}")
+        if self.fusion_threshold_bytes is not None and int(self.fusion_threshold_bytes) < 0:
+            raise ValueError(
+                f"fusion_threshold_bytes must be >= 0, got {self.fusion_threshold_bytes}"
+            )
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Bucket capacity in bytes after the environment default is applied."""
+        return fusion_threshold_bytes(self.fusion_threshold_bytes)
+
+    def budget(self, numel: int) -> int:
+        """k for a bucket of ``numel`` elements."""
+        return budget(numel, self.density)

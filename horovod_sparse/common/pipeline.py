@@ -1,0 +1,235 @@
+"""One bucket's sparse allreduce, DESIGN steps 2-7, written once for every framework.
+
+The work is split at the two collectives so an adapter can overlap them with
+computation: :meth:`BucketReducer.start` launches the reduce-scatter,
+:meth:`BucketReducer.reduce_and_gather` finishes it and launches the all-gather,
+:meth:`BucketReducer.finish` returns the dense result.
+
+Invariant (checked by the tests): for every step, summed over ranks,
+``residual_after + result_sum == residual_before + prescale * grad``, where
+``result_sum`` is the result before the post-scale (``op=Average`` divides it by P).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from horovod_sparse.common.backend import Backend, Tensor
+from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.common.exchange import (
+    ReduceScatterSent,
+    row_bytes,
+    spar_all_gather_start,
+    spar_reduce_scatter_start,
+)
+from horovod_sparse.common.global_selection import global_threshold_key, histogram_bytes
+from horovod_sparse.common.partition import make_partitioner
+from horovod_sparse.common.reduction import owner_reduce
+from horovod_sparse.common.selection import make_selection
+from horovod_sparse.common.stats import (
+    StepStats,
+    allgather_ring_bytes,
+    allreduce_ring_bytes,
+    alltoall_bytes,
+)
+
+__all__ = ["BucketReducer", "GatherInFlight", "ScatterInFlight"]
+
+
+@dataclass
+class ScatterInFlight:
+    """State between :meth:`BucketReducer.start` and :meth:`BucketReducer.reduce_and_gather`."""
+
+    sent: ReduceScatterSent
+    wire_like: Tensor  # a tensor in the wire dtype, to decode the rows
+    compression_ctx: Any
+
+
+@dataclass
+class GatherInFlight:
+    """State between :meth:`BucketReducer.reduce_and_gather` and :meth:`BucketReducer.finish`."""
+
+    handle: Any
+    own_rows: int
+    wire_like: Tensor
+    compression_ctx: Any
+
+
+class BucketReducer:
+    """Sparse allreduce of one flat buffer, with its error-feedback residual.
+
+    Hyperparameters: ``config`` (density, selection, partition).
+    Internal state: ``residual`` (what this rank still owes the sum: entries it did not
+    select, plus, for its own region, reduced entries the global selection dropped);
+    the selection and partition objects (stateful methods keep their state there).
+    Statistics: ``last_stats()`` for the most recent step.
+
+    Args:
+        ops: framework primitives.
+        name: collective-name stem, identical on every rank.
+        numel: buffer length n.
+        like: a tensor with the buffer's dtype and device.
+        config: hyperparameters.
+        process_set: the ranks taking part (the adapter's process-set object).
+        compression: the adapter's value compression (Horovod ``Compression``), or None.
+    """
+
+    def __init__(
+        self,
+        ops: Backend,
+        name: str,
+        numel: int,
+        like: Tensor,
+        config: SparseConfig,
+        process_set: Any,
+        compression: Any = None,
+    ) -> None:
+        self.ops = ops
+        self.name = name
+        self.numel = numel
+        self.config = config
+        self.process_set = process_set
+        self.compression = compression
+        self.rank = ops.rank(process_set)
+        self.world_size = ops.size(process_set)
+        self.k = config.budget(numel)
+        self.selection = make_selection(config.selection)
+        self.partitioner = make_partitioner(config.partition)
+        self.boundaries = self.partitioner.boundaries(numel, self.world_size)
+        self.residual = ops.zeros(numel, like)
+        self._accounting: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- stage 1
+    def start(self, grad: Tensor, prescale: float = 1.0) -> ScatterInFlight:
+        """Error feedback, local selection, and the reduce-scatter launch.
+
+        Sends: one alltoall of about k(P-1)/P rows (see
+        :func:`~horovod_sparse.common.exchange.spar_reduce_scatter_start`).
+        Keeps: the unselected entries of ``residual + prescale * grad`` as the new
+        residual (plus the rounding of lossy value compression).
+        """
+        ops = self.ops
+        tick = time.perf_counter()
+        # Step 2: error feedback; the residual buffer becomes the accumulator in place.
+        self.residual = ops.add_scaled_(self.residual, grad, prescale)
+        accumulator = self.residual
+        # Step 3: local selection; what is not selected stays in the residual.
+        indices = self.selection.select(ops, accumulator, self.k)
+        values = ops.take(accumulator, indices)
+        self.residual = ops.zero_at(accumulator, indices)
+        wire, ctx, lost = ops.compress(values, self.compression)
+        if lost is not None:
+            # Lossy compression: the rounding stays here instead of vanishing.
+            self.residual = ops.add_at(self.residual, indices, lost)
+        selected_at = time.perf_counter()
+        # Steps 4-5: partition and Spar-Reduce-Scatter.
+        sent = spar_reduce_scatter_start(
+            ops, indices, wire, self.boundaries, self.name, self.process_set
+        )
+        self._accounting = {
+            "select": selected_at - tick,
+            "exchange": time.perf_counter() - selected_at,
+            "local_selected": ops.num_rows(indices),
+            "row_bytes": row_bytes(ops.itemsize(wire)),
+        }
+        return ScatterInFlight(sent, wire, ctx)
+
+    # ---------------------------------------------------------------- stage 2
+    def reduce_and_gather(self, inflight: ScatterInFlight) -> GatherInFlight:
+        """Owner reduction, global selection, global residual collection, all-gather launch.
+
+        Sends: 4 histogram allreduces of 1 KiB, then one allgather of this owner's share
+        of the global top-k (about k/P rows).
+        Keeps: the reduced entries of this owner's region below the global threshold,
+        added to ``residual`` (global residual collection: no mass is dropped).
+        """
+        ops, acc = self.ops, self._accounting
+        tick = time.perf_counter()
+        rows, recv_splits = ops.wait(inflight.sent.handle)
+        waited = time.perf_counter()
+        acc["reduce_scatter"] = alltoall_bytes(
+            inflight.sent.send_splits, recv_splits, self.rank, acc["row_bytes"]
+        )
+        lo, hi = self.boundaries[self.rank], self.boundaries[self.rank + 1]
+        # Step 6a: owner reduction (duplicates from different ranks add up).
+        region_indices, sums = owner_reduce(
+            ops,
+            rows,
+            inflight.wire_like,
+            hi - lo,
+            self.residual,
+            decode=lambda wire: ops.decompress(wire, inflight.compression_ctx),
+        )
+        # Step 6b: global selection by the exact global k-th magnitude.
+        keys = ops.magnitude_keys(sums)
+        threshold = global_threshold_key(ops, keys, self.k, self.name, self.process_set)
+        kept_mask = ops.mask_at_least(keys, threshold)
+        (kept_idx, kept_val), (drop_idx, drop_val) = ops.split_by_mask(
+            kept_mask, region_indices, sums
+        )
+        # Step 6c: global residual collection: dropped sums go back to this owner's residual.
+        self.residual = ops.add_at(self.residual, ops.shift(drop_idx, lo), drop_val)
+        selected_at = time.perf_counter()
+        # Step 7: Spar-All-Gather of the kept rows with bucket-local indices.
+        wire, ctx, lost = ops.compress(kept_val, self.compression)
+        bucket_idx = ops.shift(kept_idx, lo)
+        if lost is not None:
+            self.residual = ops.add_at(self.residual, bucket_idx, lost)
+        handle = spar_all_gather_start(ops, bucket_idx, wire, self.name, self.process_set)
+        acc["select"] += selected_at - waited
+        acc["exchange"] += (waited - tick) + (time.perf_counter() - selected_at)
+        acc["gather_row_bytes"] = row_bytes(ops.itemsize(wire))
+        return GatherInFlight(handle, ops.num_rows(bucket_idx), wire, ctx)
+
+    # ---------------------------------------------------------------- stage 3
+    def finish(self, inflight: GatherInFlight, like: Tensor, postscale: float = 1.0) -> Tensor:
+        """Wait for the all-gather and write the dense result (zeros elsewhere).
+
+        Sends nothing more. Returns ``postscale * sum`` as a flat buffer of length n.
+        """
+        ops, acc = self.ops, self._accounting
+        tick = time.perf_counter()
+        rows = ops.wait(inflight.handle)
+        acc["exchange"] += time.perf_counter() - tick
+        indices, wire_values = ops.unpack_rows(rows, inflight.wire_like)
+        values = ops.decompress(wire_values, inflight.compression_ctx)
+        result = ops.scatter_into(self.numel, like, indices, values)
+        nxt = (self.rank + 1) % self.world_size
+        acc["gather"] = (
+            ops.num_rows(indices),
+            inflight.own_rows,
+            ops.count_in_range(indices, self.boundaries[nxt], self.boundaries[nxt + 1]),
+        )
+        acc["selected"] = ops.num_rows(indices)
+        return ops.scale(result, postscale) if postscale != 1.0 else result
+
+    # ---------------------------------------------------------------- stats
+    def last_stats(self) -> StepStats:
+        """Statistics of the most recent completed step (reads one device scalar)."""
+        acc = self._accounting
+        sent, received = acc["reduce_scatter"]
+        total, own, next_rows = acc["gather"]
+        ag_sent, ag_recv = allgather_ring_bytes(
+            total, own, self.ops.to_host_int(next_rows), acc["gather_row_bytes"]
+        )
+        hist_sent, hist_recv = histogram_bytes(self.world_size)
+        dense_sent, dense_recv = allreduce_ring_bytes(
+            self.numel, self.world_size, self.ops.itemsize(self.residual)
+        )
+        return StepStats(
+            bytes_sent=sent + ag_sent + hist_sent,
+            bytes_received=received + ag_recv + hist_recv,
+            dense_bytes=dense_sent + dense_recv,
+            numel=self.numel,
+            selected=acc["selected"],
+            density=acc["selected"] / self.numel,
+            seconds_select=acc["select"],
+            seconds_exchange=acc["exchange"],
+        )
+
+    # ---------------------------------------------------------------- checkpoint
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint must carry for this bucket."""
+        return {"residual": self.residual, "numel": self.numel, "boundaries": list(self.boundaries)}

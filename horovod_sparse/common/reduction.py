@@ -1,0 +1,39 @@
+"""Owner reduction: sum what the ranks sent into this owner's region."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from horovod_sparse.common.backend import Backend, Tensor
+
+__all__ = ["owner_reduce"]
+
+
+def owner_reduce(
+    ops: Backend,
+    rows: Tensor,
+    wire_like: Tensor,
+    region_numel: int,
+    like: Tensor,
+    decode: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, Tensor]:
+    """Sum the received rows; duplicate indices from different ranks add up.
+
+    Sends nothing. Keeps nothing beyond the call: the result is handed to global selection.
+
+    Args:
+        rows: the rows this owner received in the reduce-scatter (region-local indices).
+        wire_like: a tensor in the dtype the values travelled in.
+        region_numel: length of this owner's region.
+        like: a tensor with the bucket's dtype and device.
+        decode: undoes the value compression (identity without one).
+
+    Returns:
+        ``(indices, sums)``: the distinct region-local indices received, ascending, and
+        the sum of the values received for each, in the bucket's dtype.
+    """
+    indices, wire_values = ops.unpack_rows(rows, wire_like)
+    values = decode(wire_values)
+    dense_region = ops.add_at(ops.zeros(region_numel, like), indices, values)
+    distinct = ops.unique(indices)
+    return distinct, ops.take(dense_region, distinct)

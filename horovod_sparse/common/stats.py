@@ -1,0 +1,84 @@
+"""Per-step statistics and the volume-accounting basis they use.
+
+Basis: the payload that a bandwidth-optimal algorithm moves into and out of this rank,
+in bytes, excluding Horovod's own metadata (sizes, splits):
+
+* ring allreduce of n elements: 2n(P-1)/P elements out and as many in;
+* alltoall: the rows addressed to other ranks out, the rows from other ranks in;
+* ring allgather of blocks m_0..m_{P-1}: (total - m_own) in, (total - m_next) out,
+  where next = (rank + 1) % P is the rank this one forwards to.
+
+``dense_bytes`` is what a ring allreduce of the same gradients would move in and out:
+4n(P-1)/P x itemsize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = [
+    "StepStats",
+    "allgather_ring_bytes",
+    "allreduce_ring_bytes",
+    "alltoall_bytes",
+]
+
+
+def allreduce_ring_bytes(numel: int, world_size: int, itemsize: int) -> tuple[int, int]:
+    """``(sent, received)`` bytes of a ring allreduce of ``numel`` elements."""
+    one_way = 2 * numel * (world_size - 1) * itemsize // world_size
+    return one_way, one_way
+
+
+def alltoall_bytes(
+    send_splits: list[int], recv_splits: list[int], rank: int, row_bytes: int
+) -> tuple[int, int]:
+    """``(sent, received)`` bytes of an alltoall; rows to or from this rank itself are free."""
+    sent = (sum(send_splits) - send_splits[rank]) * row_bytes
+    received = (sum(recv_splits) - recv_splits[rank]) * row_bytes
+    return sent, received
+
+
+def allgather_ring_bytes(
+    total_rows: int, own_rows: int, next_rows: int, row_bytes: int
+) -> tuple[int, int]:
+    """``(sent, received)`` bytes of a ring allgather (see the module docstring)."""
+    return (total_rows - next_rows) * row_bytes, (total_rows - own_rows) * row_bytes
+
+
+@dataclass
+class StepStats:
+    """What one step of sparse allreduce cost this rank.
+
+    Attributes:
+        bytes_sent: payload bytes this rank sent, all collectives of the step.
+        bytes_received: payload bytes this rank received, all collectives of the step.
+        dense_bytes: bytes a dense ring allreduce of the same gradients moves in and out.
+        numel: gradient elements reduced this step.
+        selected: elements in the result (the global selection plus dense tensors).
+        density: achieved density, ``selected / numel``.
+        seconds_select: host time in local and global selection.
+        seconds_exchange: host time issuing and waiting for collectives.
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    dense_bytes: int = 0
+    numel: int = 0
+    selected: int = 0
+    density: float = 0.0
+    seconds_select: float = 0.0
+    seconds_exchange: float = 0.0
+
+    @property
+    def compression_ratio(self) -> float:
+        """``dense_bytes`` over the bytes this rank actually moved (higher is better)."""
+        moved = self.bytes_sent + self.bytes_received
+        return self.dense_bytes / moved if moved else float("inf")
+
+    def __iadd__(self, other: StepStats) -> StepStats:
+        for f in fields(self):
+            if f.name != "density":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        self.density = self.selected / self.numel if self.numel else 0.0
+        return self

@@ -1,0 +1,194 @@
+"""PyTorch implementation of the tensor primitives in ``horovod_sparse.common.backend``.
+
+Every kernel runs on the tensors' own device. Host synchronisations, all required by a
+collective's need for a host-side size:
+
+* :meth:`TorchBackend.region_counts` - Horovod takes alltoall ``splits`` on the CPU;
+* :meth:`TorchBackend.split_by_mask` - the all-gather's send size is data-dependent;
+* :meth:`TorchBackend.wait` on an alltoall - the received splits come back as a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+__all__ = ["TorchBackend"]
+
+_HISTOGRAM_BINS = 256
+
+
+@dataclass
+class _Pending:
+    """A Horovod async handle plus what ``wait`` must do with the result."""
+
+    handle: int
+    kind: str  # "alltoall" | "plain"
+
+
+class TorchBackend:
+    """Stateless; one shared instance serves every bucket."""
+
+    # ---- process set
+    def rank(self, process_set: Any) -> int:
+        return process_set.rank()
+
+    def size(self, process_set: Any) -> int:
+        return process_set.size()
+
+    # ---- dense arithmetic
+    def zeros(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(numel, dtype=like.dtype, device=like.device)
+
+    def num_rows(self, tensor: torch.Tensor) -> int:
+        return int(tensor.shape[0])
+
+    def itemsize(self, tensor: torch.Tensor) -> int:
+        return tensor.element_size()
+
+    def add_scaled_(self, buffer: torch.Tensor, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        return buffer.add_(tensor.reshape(-1).to(buffer.dtype), alpha=factor)
+
+    def scale(self, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        return tensor.mul_(factor)
+
+    def to_host_int(self, scalar: torch.Tensor | int) -> int:
+        return int(scalar)
+
+    # ---- selection
+    def topk_indices(self, values: torch.Tensor, k: int) -> torch.Tensor:
+        if k >= values.numel():
+            return torch.arange(values.numel(), device=values.device)
+        return torch.topk(values.abs(), k, sorted=False).indices.sort().values
+
+    def take(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return values.index_select(0, indices)
+
+    def zero_at(self, buffer: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return buffer.index_fill_(0, indices, 0)
+
+    def add_at(self, buffer: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return buffer.index_add_(0, indices, values.to(buffer.dtype))
+
+    def shift(self, indices: torch.Tensor, offset: int) -> torch.Tensor:
+        return indices + offset
+
+    # ---- partition and packing
+    def _boundaries(self, boundaries: list[int], device: torch.device) -> torch.Tensor:
+        return torch.tensor(boundaries, dtype=torch.int64).to(device, non_blocking=True)
+
+    def region_counts(self, sorted_indices: torch.Tensor, boundaries: list[int]) -> list[int]:
+        edges = self._boundaries(boundaries, sorted_indices.device)
+        positions = torch.searchsorted(sorted_indices, edges)
+        return (positions[1:] - positions[:-1]).tolist()  # host sync: splits live on the CPU
+
+    def region_offsets(self, sorted_indices: torch.Tensor, boundaries: list[int]) -> torch.Tensor:
+        edges = self._boundaries(boundaries, sorted_indices.device)
+        region = torch.searchsorted(edges[1:-1], sorted_indices, right=True)
+        return edges.index_select(0, region)
+
+    def pack_rows(
+        self, indices: torch.Tensor, offset: torch.Tensor | int, values: torch.Tensor
+    ) -> torch.Tensor:
+        local = (indices - offset).to(torch.int32)
+        index_bytes = local.view(torch.uint8).view(-1, 4)
+        value_bytes = values.contiguous().view(torch.uint8).view(-1, values.element_size())
+        return torch.cat([index_bytes, value_bytes], dim=1)
+
+    def unpack_rows(
+        self, rows: torch.Tensor, wire_like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = rows[:, :4].contiguous().view(torch.int32).view(-1).to(torch.int64)
+        values = rows[:, 4:].contiguous().view(wire_like.dtype).view(-1)
+        return indices, values
+
+    def unique(self, indices: torch.Tensor) -> torch.Tensor:
+        return torch.unique(indices, sorted=True)
+
+    # ---- value compression (Horovod's Compression classes)
+    def compress(
+        self, values: torch.Tensor, compression: Any
+    ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+        if compression is None or compression is hvd.Compression.none:
+            return values, None, None
+        wire, ctx = compression.compress(values)
+        if wire.dtype == values.dtype:
+            return wire, (compression, ctx), None
+        lost = values - compression.decompress(wire, ctx)
+        return wire, (compression, ctx), lost
+
+    def decompress(self, wire: torch.Tensor, ctx: Any) -> torch.Tensor:
+        if ctx is None:
+            return wire
+        compression, inner = ctx
+        return compression.decompress(wire, inner)
+
+    # ---- global selection (radix select over fp32 magnitude bits)
+    def magnitude_keys(self, values: torch.Tensor) -> torch.Tensor:
+        return values.abs().to(torch.float32).view(torch.int32)
+
+    def radix_start(self, like: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # torch.full is a kernel launch, not a blocking host-to-device copy.
+        prefix = torch.zeros((), dtype=torch.int32, device=like.device)
+        remaining = torch.full((), k, dtype=torch.int64, device=like.device)
+        return prefix, remaining
+
+    def digit_histogram(self, keys: torch.Tensor, prefix: torch.Tensor, shift: int) -> torch.Tensor:
+        digit = (keys >> shift) & (_HISTOGRAM_BINS - 1)
+        if shift + 8 < 32:
+            active = (keys >> (shift + 8)) == (prefix >> (shift + 8))
+            digit = torch.where(active, digit, _HISTOGRAM_BINS)  # bin 256: not in the running
+        counts = torch.zeros(_HISTOGRAM_BINS + 1, dtype=torch.int32, device=keys.device)
+        counts.scatter_add_(0, digit.to(torch.int64), torch.ones_like(digit))
+        return counts[:_HISTOGRAM_BINS]
+
+    def choose_digit(
+        self, histogram: torch.Tensor, remaining: torch.Tensor, prefix: torch.Tensor, shift: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = histogram.to(torch.int64)
+        at_least = counts.flip(0).cumsum(0).flip(0)  # at_least[d] = #digits >= d
+        digit = ((at_least >= remaining).sum() - 1).clamp(min=0)
+        greater = at_least.gather(0, digit.view(1)) - counts.gather(0, digit.view(1))
+        return prefix | (digit.to(torch.int32) << shift), remaining - greater.view(())
+
+    def mask_at_least(self, keys: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+        return keys >= threshold
+
+    def split_by_mask(
+        self, mask: torch.Tensor, *tensors: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        keep = mask.nonzero().view(-1)  # host sync: the all-gather needs its send size
+        drop = (~mask).nonzero().view(-1)
+        return [t.index_select(0, keep) for t in tensors], [t.index_select(0, drop) for t in tensors]
+
+    def count_in_range(self, indices: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        return ((indices >= lo) & (indices < hi)).sum()
+
+    def scatter_into(
+        self, numel: int, like: torch.Tensor, indices: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros(numel, dtype=like.dtype, device=like.device)
+        return out.index_copy_(0, indices, values.to(like.dtype))
+
+    # ---- collectives
+    def alltoall_async(self, rows: torch.Tensor, splits: list[int], name: str, process_set: Any) -> _Pending:
+        split_tensor = torch.tensor(splits, dtype=torch.int32)
+        handle = hvd.alltoall_async(rows, splits=split_tensor, name=name, process_set=process_set)
+        return _Pending(handle, "alltoall")
+
+    def allgather_async(self, rows: torch.Tensor, name: str, process_set: Any) -> _Pending:
+        return _Pending(hvd.allgather_async(rows, name=name, process_set=process_set), "plain")
+
+    def allreduce_sum_async(self, tensor: torch.Tensor, name: str, process_set: Any) -> _Pending:
+        handle = hvd.allreduce_async(tensor, name=name, op=hvd.Sum, process_set=process_set)
+        return _Pending(handle, "plain")
+
+    def wait(self, pending: _Pending) -> Any:
+        result = hvd.synchronize(pending.handle)
+        if pending.kind == "alltoall":
+            rows, received_splits = result
+            return rows, received_splits.tolist()
+        return result

@@ -1,0 +1,188 @@
+"""Functional sparse allreduce for users who manage tensors themselves.
+
+Residuals are kept per ``(name, process set)``: call with the same ``name`` every step
+for the same logical tensor, as with Horovod's named collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.common.pipeline import BucketReducer, GatherInFlight, ScatterInFlight
+from horovod_sparse.common.stats import StepStats
+from horovod_sparse.torch.backend import TorchBackend
+
+__all__ = [
+    "SparseHandle",
+    "reset_residuals",
+    "residual",
+    "sparse_allreduce",
+    "sparse_allreduce_async",
+    "stats",
+    "synchronize",
+]
+
+BACKEND = TorchBackend()
+_REDUCERS: dict[tuple[str, int], BucketReducer] = {}
+_LAST_NAME: list[tuple[str, int]] = []
+
+
+def scale_factors(op: Any, world_size: int, prescale: float, postscale: float) -> tuple[float, float]:
+    """Pre- and post-scale applied around the sum for Horovod's ``op``.
+
+    Raises:
+        ValueError: for ops other than Average and Sum (Adasum, Min, Max, Product).
+    """
+    if op == hvd.Average:
+        return prescale, postscale / world_size
+    if op == hvd.Sum:
+        return prescale, postscale
+    raise ValueError(
+        f"sparse allreduce supports op=hvd.Average and op=hvd.Sum, got {op!r}; "
+        "use horovod.torch.allreduce for other reductions"
+    )
+
+
+@dataclass
+class SparseHandle:
+    """The one async handle type: a bucket's exchange in flight, resolved by :func:`synchronize`."""
+
+    reducer: BucketReducer
+    stage: ScatterInFlight | GatherInFlight
+    like: torch.Tensor
+    shape: torch.Size
+    postscale: float
+
+    def advance(self) -> None:
+        """Finish the reduce-scatter and launch the all-gather (no-op if already done)."""
+        if isinstance(self.stage, ScatterInFlight):
+            self.stage = self.reducer.reduce_and_gather(self.stage)
+
+    def wait(self) -> torch.Tensor:
+        """Block until the result is ready and return it, shaped like the input."""
+        self.advance()
+        assert isinstance(self.stage, GatherInFlight)
+        flat = self.reducer.finish(self.stage, self.like, self.postscale)
+        return flat.view(self.shape)
+
+
+def _check_tensor(tensor: torch.Tensor, name: str | None) -> str:
+    if name is None:
+        raise ValueError(
+            "sparse_allreduce needs a name: residuals are kept per name, so the same logical "
+            "tensor must be passed under the same name every step"
+        )
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        raise TypeError(f"sparse_allreduce({name!r}) needs a floating-point tensor, got {tensor!r:.80}")
+    if tensor.dtype == torch.bfloat16:
+        raise TypeError(
+            f"sparse_allreduce({name!r}): bfloat16 is not supported by Horovod's torch bindings; "
+            "cast to float32 first"
+        )
+    if tensor.is_sparse:
+        raise TypeError(f"sparse_allreduce({name!r}) takes a dense tensor; call .to_dense() first")
+    return name
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor,
+    density: float = 0.01,
+    name: str | None = None,
+    op: Any = hvd.Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = hvd.global_process_set,
+    compression: Any = hvd.Compression.none,
+) -> SparseHandle:
+    """Start a sparse allreduce of ``tensor``; returns a :class:`SparseHandle`.
+
+    Sends one alltoall now (about k(P-1)/P rows of 8 bytes for fp32, k = ceil(density*n));
+    the histogram allreduces and the allgather follow in :func:`synchronize`.
+    Keeps the unselected mass in a residual stored under ``name``.
+
+    Example:
+        >>> handle = sparse_allreduce_async(grad, density=0.01, name="w")
+        >>> reduced = synchronize(handle)
+    """
+    name = _check_tensor(tensor, name)
+    config = SparseConfig(density=density)
+    if not process_set.included():
+        raise ValueError(f"sparse_allreduce({name!r}): this rank is not in the process set")
+    prescale, postscale = scale_factors(op, process_set.size(), prescale_factor, postscale_factor)
+    flat = tensor.detach().reshape(-1)
+    key = (name, id(process_set))
+    reducer = _REDUCERS.get(key)
+    if reducer is not None and reducer.numel != flat.numel():
+        raise ValueError(
+            f"sparse_allreduce({name!r}): size changed from {reducer.numel} to {flat.numel()}; "
+            "use a new name for a different tensor"
+        )
+    if reducer is None or reducer.config != config:
+        # A new density keeps the residual: the mass owed does not depend on the budget.
+        kept_residual = reducer.residual if reducer is not None else None
+        reducer = BucketReducer(
+            BACKEND, f"hvds.{name}", flat.numel(), flat, config, process_set, compression
+        )
+        if kept_residual is not None:
+            reducer.residual = kept_residual
+        _REDUCERS[key] = reducer
+    reducer.compression = compression
+    stage = reducer.start(flat, prescale)
+    _LAST_NAME[:] = [key]
+    return SparseHandle(reducer, stage, flat, tensor.shape, postscale)
+
+
+def synchronize(handle: SparseHandle) -> torch.Tensor:
+    """Wait for a :class:`SparseHandle` and return the reduced tensor."""
+    return handle.wait()
+
+
+def sparse_allreduce(
+    tensor: torch.Tensor,
+    density: float = 0.01,
+    name: str | None = None,
+    op: Any = hvd.Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = hvd.global_process_set,
+    compression: Any = hvd.Compression.none,
+) -> torch.Tensor:
+    """Sparse allreduce of ``tensor`` with error feedback; returns a new tensor.
+
+    The result holds about ``density * numel`` nonzeros: the global top-k of the summed
+    error-feedback accumulators (divided by the process-set size for ``op=Average``).
+    What is not sent stays in a residual kept under ``name`` and is added next call.
+
+    Example:
+        >>> out = sparse_allreduce(torch.randn(1_000_000), density=0.01, name="g")
+        >>> stats().bytes_sent
+    """
+    return synchronize(
+        sparse_allreduce_async(
+            tensor, density, name, op, prescale_factor, postscale_factor, process_set, compression
+        )
+    )
+
+
+def stats(name: str | None = None, process_set: Any = hvd.global_process_set) -> StepStats:
+    """Statistics of the last completed :func:`sparse_allreduce` (of ``name`` if given)."""
+    key = (name, id(process_set)) if name is not None else (_LAST_NAME[0] if _LAST_NAME else None)
+    if key not in _REDUCERS:
+        raise KeyError(f"no sparse_allreduce has completed under name {name!r}")
+    return _REDUCERS[key].last_stats()
+
+
+def residual(name: str, process_set: Any = hvd.global_process_set) -> torch.Tensor:
+    """This rank's current residual for ``name`` (flat)."""
+    return _REDUCERS[(name, id(process_set))].residual
+
+
+def reset_residuals() -> None:
+    """Forget every residual kept by the functional API."""
+    _REDUCERS.clear()
+    _LAST_NAME.clear()

@@ -1,0 +1,486 @@
+"""Drop-in replacement for ``horovod.torch.DistributedOptimizer`` with sparse allreduce.
+
+Gradients are copied into fusion buckets from post-accumulate-grad hooks; a bucket's
+reduce-scatter (one alltoall) starts as soon as its last gradient arrives, while backward
+continues on earlier layers. ``synchronize()`` finishes the owner reduction, global
+selection and all-gather of every bucket and writes the result into ``p.grad``.
+Tensors smaller than ``min_sparse_numel`` go through Horovod's dense allreduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import horovod.torch as hvd
+import torch
+
+from horovod_sparse.common.buckets import Bucket, plan_buckets
+from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.common.pipeline import BucketReducer, GatherInFlight, ScatterInFlight
+from horovod_sparse.common.stats import StepStats, allreduce_ring_bytes
+from horovod_sparse.torch.functions import BACKEND, scale_factors
+
+__all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
+
+_STATE_KEY = "horovod_sparse"
+
+
+@dataclass
+class _BucketSlot:
+    """Run-time companion of a planned bucket: its flat buffer, members and reducer."""
+
+    bucket: Bucket
+    params: list[torch.Tensor]
+    flat: torch.Tensor
+    reducer: BucketReducer
+    waiting: int = 0  # members whose gradient has not arrived this step
+    stage: ScatterInFlight | GatherInFlight | None = None
+
+
+@dataclass
+class _DenseSlot:
+    """A small tensor reduced by Horovod's dense allreduce."""
+
+    name: str
+    param: torch.Tensor
+    handle: Any = None
+    ctx: Any = None
+    stats: StepStats = field(default_factory=StepStats)
+
+
+class SparseOptimizerMixin:
+    """Mixin that turns a ``torch.optim.Optimizer`` class into a sparse-allreduce one.
+
+    Combine it in front of any optimizer class (``class MyAdam(SparseOptimizerMixin,
+    torch.optim.Adam)``) and pass the Horovod-style keywords; or wrap an existing
+    optimizer with :func:`DistributedOptimizer`.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        *args: Any,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+        compression: Any = hvd.Compression.none,
+        backward_passes_per_step: int = 1,
+        op: Any = hvd.Average,
+        gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups: Any = None,
+        sparse_as_dense: bool = False,
+        process_set: Any = hvd.global_process_set,
+        density: float = 0.01,
+        min_sparse_numel: int = 1024,
+        fusion_threshold_bytes: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(params, *args, **kwargs)
+        self._setup_sparse(
+            named_parameters=named_parameters,
+            compression=compression,
+            backward_passes_per_step=backward_passes_per_step,
+            op=op,
+            gradient_predivide_factor=gradient_predivide_factor,
+            num_groups=num_groups,
+            groups=groups,
+            sparse_as_dense=sparse_as_dense,
+            process_set=process_set,
+            config=SparseConfig(
+                density=density,
+                min_sparse_numel=min_sparse_numel,
+                fusion_threshold_bytes=fusion_threshold_bytes,
+            ),
+        )
+
+    # ------------------------------------------------------------------ setup
+    def _setup_sparse(
+        self,
+        *,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+        compression: Any,
+        backward_passes_per_step: int,
+        op: Any,
+        gradient_predivide_factor: float,
+        num_groups: int,
+        groups: Any,
+        sparse_as_dense: bool,
+        process_set: Any,
+        config: SparseConfig,
+    ) -> None:
+        # Hyperparameters.
+        self.sparse_config = config
+        self.compression = compression
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.op = op
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        if self.backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if gradient_predivide_factor != 1.0 and op != hvd.Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if not process_set.included():
+            raise ValueError("this rank is not in the optimizer's process_set")
+        world_size = process_set.size()
+        if op == hvd.Average:
+            # Horovod splits the average: 1/f before the sum, f/P after it.
+            self._prescale, self._postscale = scale_factors(
+                op, world_size, 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+            )
+        else:
+            self._prescale, self._postscale = scale_factors(op, world_size, 1.0, 1.0)
+
+        named = self._name_parameters(named_parameters)
+        self._param_names = {p: n for n, p in named}
+        self._validate_across_ranks(named)
+
+        # Internal state: buckets for large tensors, dense slots for small ones.
+        large = [(n, p) for n, p in named if p.numel() >= config.min_sparse_numel]
+        small = [(n, p) for n, p in named if p.numel() < config.min_sparse_numel]
+        by_name = dict(large)
+        # Gradients tend to become ready in reverse registration order.
+        ordered = list(reversed(large))
+        plan = plan_buckets(
+            [(n, p.numel(), _dtype_name(p.dtype), p.element_size()) for n, p in ordered],
+            config.bucket_bytes,
+            groups=self._group_names(groups, num_groups, large),
+        )
+        self._buckets: list[_BucketSlot] = []
+        self._slot_of: dict[torch.Tensor, tuple[_BucketSlot, int]] = {}
+        for bucket in plan.buckets:
+            params = [by_name[e.name] for e in bucket.entries]
+            flat = torch.zeros(bucket.numel, dtype=params[0].dtype, device=params[0].device)
+            reducer = BucketReducer(
+                BACKEND, f"hvds.opt.{bucket.name}", bucket.numel, flat, config, process_set, compression
+            )
+            slot = _BucketSlot(bucket, params, flat, reducer)
+            self._buckets.append(slot)
+            for entry, p in zip(bucket.entries, params):
+                self._slot_of[p] = (slot, entry.offset)
+        self._dense = {p: _DenseSlot(n, p) for n, p in small}
+        self._passes_left = {p: self.backward_passes_per_step for _, p in named}
+        self._should_synchronize = True
+        self._synchronized = False
+        self._step_stats = StepStats()
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
+        ]
+        self._begin_step()
+
+    def _name_parameters(
+        self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None
+    ) -> list[tuple[str, torch.Tensor]]:
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        if named_parameters is None:
+            named = [(f"param.{i}", p) for i, p in enumerate(params)]
+        else:
+            named = [(n, p) for n, p in named_parameters]
+            names = [n for n, _ in named]
+            if len(set(names)) != len(names):
+                raise ValueError("named_parameters contains duplicate names")
+            known = {p for _, p in named}
+            unnamed = [p for p in params if p not in known]
+            if unnamed:
+                raise ValueError(
+                    f"{len(unnamed)} optimizer parameter(s) are missing from named_parameters; "
+                    "pass model.named_parameters() of the model the optimizer was built for"
+                )
+            in_opt = set(params)
+            named = [(n, p) for n, p in named if p in in_opt]
+        if not named:
+            raise ValueError("the optimizer has no parameters that require gradients")
+        for n, p in named:
+            if not p.is_floating_point():
+                raise TypeError(f"parameter {n!r} has dtype {p.dtype}; gradients must be floating point")
+            if p.dtype == torch.bfloat16:
+                raise TypeError(
+                    f"parameter {n!r} is bfloat16, which Horovod's torch bindings do not support; "
+                    "keep float32 master weights for the optimizer"
+                )
+        return named
+
+    def _group_names(
+        self, groups: Any, num_groups: int, large: list[tuple[str, torch.Tensor]]
+    ) -> list[list[str]] | None:
+        """Horovod's ``groups``/``num_groups`` become explicit buckets (dense-path tensors excluded)."""
+        names = {p: n for n, p in large}
+        if groups is not None:
+            if isinstance(groups, int):
+                num_groups, groups = groups, None
+            else:
+                return [[names[p] for p in group if p in names] for group in groups]
+        if num_groups and num_groups > 0:
+            ordered = [n for n, _ in reversed(large)]
+            size = -(-len(ordered) // num_groups)
+            return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+        return None
+
+    def _validate_across_ranks(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """One small collective: every rank must hold the same parameter list."""
+        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        everyone = hvd.allgather_object(mine, process_set=self.process_set)
+        for rank, theirs in enumerate(everyone):
+            if theirs == mine:
+                continue
+            for i, (a, b) in enumerate(zip(mine, theirs)):
+                if a != b:
+                    raise ValueError(
+                        f"parameter {i} differs between this rank ({a}) and rank {rank} ({b}); "
+                        "every rank must build the same model and optimizer"
+                    )
+            raise ValueError(
+                f"this rank has {len(mine)} parameters and rank {rank} has {len(theirs)}; "
+                "every rank must build the same model and optimizer"
+            )
+
+    # ------------------------------------------------------------------ hooks
+    def _begin_step(self) -> None:
+        for slot in self._buckets:
+            slot.waiting = len(slot.params)
+            slot.stage = None
+        for p in self._passes_left:
+            self._passes_left[p] = self.backward_passes_per_step
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if self._passes_left[p] <= 0:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before "
+                "optimizer.step() or synchronize(). Increase backward_passes_per_step to "
+                "accumulate gradients locally."
+            )
+        self._passes_left[p] -= 1
+        if self._passes_left[p] == 0:
+            self._submit(p)
+
+    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
+        grad = p.grad
+        if grad is None:
+            # A parameter unused on this rank still takes part, as zeros.
+            p.grad = grad = torch.zeros_like(p)
+        if grad.is_sparse:
+            if not self.sparse_as_dense:
+                raise ValueError(
+                    f"parameter {self._param_names[p]!r} has a sparse gradient; pass "
+                    "sparse_as_dense=True to reduce it as a dense tensor"
+                )
+            p.grad = grad = grad.to_dense()
+        return grad
+
+    def _submit(self, p: torch.Tensor) -> None:
+        self._passes_left[p] = 0
+        grad = self._dense_grad(p)
+        if p in self._dense:
+            slot = self._dense[p]
+            wire, slot.ctx = self.compression.compress(grad)
+            slot.handle = hvd.allreduce_async_(
+                wire,
+                name=f"hvds.opt.dense.{slot.name}",
+                op=self.op,
+                prescale_factor=self._prescale if self.op == hvd.Average else 1.0,
+                postscale_factor=self.gradient_predivide_factor if self.op == hvd.Average else 1.0,
+                process_set=self.process_set,
+            )
+            return
+        bucket_slot, offset = self._slot_of[p]
+        bucket_slot.flat[offset : offset + p.numel()].copy_(grad.reshape(-1))
+        bucket_slot.waiting -= 1
+        if bucket_slot.waiting == 0:
+            # Last gradient of the bucket: start its reduce-scatter now, during backward.
+            bucket_slot.stage = bucket_slot.reducer.start(bucket_slot.flat, self._prescale)
+
+    # ------------------------------------------------------------------ public API
+    def synchronize(self) -> None:
+        """Finish every bucket's exchange and write the averaged gradients into ``p.grad``.
+
+        Call it yourself before gradient clipping, then step inside
+        :meth:`skip_synchronize`::
+
+            loss.backward()
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        # Parameters whose hook did not fire (unused this step) still take part.
+        for p, left in self._passes_left.items():
+            if left > 0:
+                self._submit(p)
+        total = StepStats()
+        # Finish every reduce-scatter and launch every all-gather before waiting for any.
+        for slot in self._buckets:
+            slot.stage = slot.reducer.reduce_and_gather(slot.stage)
+        for slot in self._buckets:
+            result = slot.reducer.finish(slot.stage, slot.flat, self._postscale)
+            for entry, p in zip(slot.bucket.entries, slot.params):
+                p.grad.copy_(result[entry.offset : entry.offset + entry.numel].view_as(p.grad))
+            slot.stage = None
+            total += slot.reducer.last_stats()
+        world_size = self.process_set.size()
+        for p, slot in self._dense.items():
+            output = hvd.synchronize(slot.handle)
+            p.grad.copy_(self.compression.decompress(output, slot.ctx))
+            slot.handle = None
+            sent, received = allreduce_ring_bytes(p.numel(), world_size, p.element_size())
+            total += StepStats(sent, received, sent + received, p.numel(), p.numel())
+        self._step_stats = total
+        self._begin_step()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Make the next ``step()`` skip :meth:`synchronize` (already called by the user)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown.",
+                    stacklevel=2,
+                )
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if any(slot.stage is not None for slot in self._buckets) or any(
+            s.handle is not None for s in self._dense.values()
+        ):
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                "cause a race condition."
+            )
+        return super().zero_grad(set_to_none=set_to_none)
+
+    def stats(self) -> StepStats:
+        """Statistics of the last synchronized step, summed over buckets and dense tensors."""
+        return self._step_stats
+
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """This rank's residual per bucket name (flat buffers; read-only views)."""
+        return {slot.bucket.name: slot.reducer.residual for slot in self._buckets}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state plus this rank's residuals.
+
+        Residuals are per rank: save one checkpoint per rank to resume exactly. Loading
+        a checkpoint written by another rank or world size keeps this rank's residuals
+        at zero (with a warning) rather than count another rank's mass twice.
+        """
+        state = super().state_dict()
+        state[_STATE_KEY] = {
+            "rank": self.process_set.rank(),
+            "world_size": self.process_set.size(),
+            "residuals": {name: r.detach().clone() for name, r in self.residuals().items()},
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        sparse_state = state_dict.pop(_STATE_KEY, None)
+        super().load_state_dict(state_dict)
+        if sparse_state is None:
+            return
+        same_place = (
+            sparse_state["rank"] == self.process_set.rank()
+            and sparse_state["world_size"] == self.process_set.size()
+        )
+        if not same_place:
+            warnings.warn(
+                f"checkpoint residuals come from rank {sparse_state['rank']} of "
+                f"{sparse_state['world_size']}; this is rank {self.process_set.rank()} of "
+                f"{self.process_set.size()}: residuals start from zero",
+                stacklevel=2,
+            )
+        for slot in self._buckets:
+            saved = sparse_state["residuals"].get(slot.bucket.name)
+            if saved is None or saved.numel() != slot.bucket.numel:
+                raise ValueError(f"checkpoint has no residual matching {slot.bucket.name}")
+            if same_place:
+                slot.reducer.residual.copy_(saved)
+            else:
+                slot.reducer.residual.zero_()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+_COMBINED: dict[type, type] = {}
+
+
+def _sparse_class(base: type) -> type:
+    """``SparseOptimizerMixin`` combined with ``base`` (cached, importable by name)."""
+    if base not in _COMBINED:
+        name = f"Sparse{base.__name__}"
+        cls = type(name, (SparseOptimizerMixin, base), {"__module__": __name__, "__qualname__": name})
+        _COMBINED[base] = cls
+        globals().setdefault(name, cls)  # so pickle finds it
+    return _COMBINED[base]
+
+
+def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: Any = hvd.Compression.none,
+    backward_passes_per_step: int = 1,
+    op: Any = hvd.Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = hvd.global_process_set,
+    *,
+    density: float = 0.01,
+    min_sparse_numel: int = 1024,
+    fusion_threshold_bytes: int | None = None,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so its gradients are reduced by sparse allreduce.
+
+    Accepts every argument of ``hvd.DistributedOptimizer`` with the same meaning, plus:
+
+    Args:
+        density: fraction of gradient entries exchanged per bucket, in (0, 1].
+        min_sparse_numel: tensors with fewer elements use dense ``hvd.allreduce``.
+        fusion_threshold_bytes: bucket size; default ``HOROVOD_FUSION_THRESHOLD`` or 128 MiB.
+
+    ``groups`` (lists of parameters) and ``num_groups`` define the fusion buckets.
+    The returned object is an instance of ``Sparse<OptimizerClass>``, a subclass of both
+    :class:`SparseOptimizerMixin` and ``type(optimizer)``; it adopts the optimizer's
+    parameter groups and state.
+
+    Example:
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> opt = DistributedOptimizer(opt, model.named_parameters(), density=0.01)
+        >>> loss.backward(); opt.step()
+        >>> opt.stats().bytes_sent
+    """
+    cls = _sparse_class(type(optimizer))
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._setup_sparse(
+        named_parameters=named_parameters,
+        compression=compression,
+        backward_passes_per_step=backward_passes_per_step,
+        op=op,
+        gradient_predivide_factor=gradient_predivide_factor,
+        num_groups=num_groups,
+        groups=groups,
+        sparse_as_dense=sparse_as_dense,
+        process_set=process_set,
+        config=SparseConfig(
+            density=density,
+            min_sparse_numel=min_sparse_numel,
+            fusion_threshold_bytes=fusion_threshold_bytes,
+        ),
+    )
+    return wrapped

@@ -1,0 +1,285 @@
+"""horovod_sparse.torch.DistributedOptimizer against Horovod's dense optimizer and the reference."""
+
+import copy
+
+import horovod.torch as hvd
+import numpy as np
+import pytest
+import torch
+
+import horovod_sparse.torch as hvds
+from horovod_sparse.common.config import budget
+from tests.reference import reference_step, uniform_boundaries
+
+hvd.init()
+torch.manual_seed(0)
+
+
+def mlp(width: int = 64) -> torch.nn.Module:
+    torch.manual_seed(42)  # identical initial weights on every rank
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+        torch.nn.ReLU(), torch.nn.Linear(width, 10),
+    )
+
+
+def batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * step + 31 * hvd.rank())
+    return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def train(model, opt, steps, clip=None):
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if clip is None:
+            opt.step()
+        else:
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            with opt.skip_synchronize():
+                opt.step()
+
+
+def assert_identical_on_all_ranks(model, name):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = hvd.allgather(flat.reshape(1, -1), name=name)
+    for r in range(hvd.size()):
+        assert torch.equal(everyone[r], flat), f"rank {r} differs from rank {hvd.rank()}"
+
+
+def set_grads(model, step):
+    grads = {}
+    for i, (n, p) in enumerate(model.named_parameters()):
+        g = torch.Generator().manual_seed(1000 * step + 10 * i + hvd.rank())
+        p.grad = torch.randn(p.shape, generator=g)
+        grads[n] = p.grad.clone()
+    return grads
+
+
+@pytest.mark.parametrize("op", [hvd.Average, hvd.Sum], ids=["average", "sum"])
+def test_density_one_matches_dense_allreduce(op):
+    model = mlp()
+    opt = hvds.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), op=op, density=1.0
+    )
+    for step in range(3):
+        grads = set_grads(model, step)
+        opt.synchronize()
+        for n, p in model.named_parameters():
+            dense = hvd.allreduce(grads[n], op=op, name=f"dense.{n}.{step}")
+            assert (p.grad - dense).norm() / dense.norm() < 1e-6, n
+        with opt.skip_synchronize():
+            opt.step()
+
+
+def test_predivide_factor_matches_dense():
+    model = mlp()
+    opt = hvds.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+        gradient_predivide_factor=2.0, density=1.0,
+    )
+    grads = set_grads(model, 0)
+    opt.synchronize()
+    for n, p in model.named_parameters():
+        dense = hvd.allreduce(grads[n], name=f"pre.{n}")
+        assert (p.grad - dense).norm() / dense.norm() < 1e-6, n
+
+
+def test_hook_path_matches_reference():
+    """Real backward (hooks launch the exchange) vs the reference on gathered gradients."""
+    torch.manual_seed(1)
+    model = torch.nn.Linear(100, 200, bias=False)  # one bucket of 20000
+    density, numel = 0.02, 20_000
+    opt = hvds.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(), density=density
+    )
+    (residual_name,) = opt.residuals()
+    before = torch.zeros(numel)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step * 17 + hvd.rank())
+        x, c = torch.randn(8, 100, generator=g), torch.randn(8, 200, generator=g)
+        opt.zero_grad()
+        (model(x) * c).sum().backward()  # d/dW = c^T x
+        local = (c.t() @ x).reshape(-1)
+        acc = hvd.allgather((before + local).reshape(1, -1), name=f"hook.acc.{step}")
+        opt.synchronize()
+        ref = reference_step(
+            [a.numpy() for a in acc], budget(numel, density), uniform_boundaries(numel, hvd.size())
+        )
+        got = model.weight.grad.reshape(-1).numpy()
+        np.testing.assert_array_equal(np.flatnonzero(got), ref.selected)
+        np.testing.assert_allclose(got, ref.result_sum / hvd.size(), rtol=1e-5, atol=1e-6)
+        after = opt.residuals()[residual_name]
+        np.testing.assert_allclose(after.numpy(), ref.residuals[hvd.rank()], rtol=1e-5, atol=1e-5)
+        before = after.clone()
+        with opt.skip_synchronize():
+            opt.step()
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        lambda ps: torch.optim.Adam(ps, lr=1e-3),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01),
+    ],
+    ids=["sgd_momentum", "adam", "adamw"],
+)
+def test_parameters_identical_on_every_rank_after_30_steps(make_opt):
+    model = mlp()
+    start = copy.deepcopy(model)
+    opt = hvds.DistributedOptimizer(make_opt(model.parameters()), model.named_parameters(), density=0.05)
+    train(model, opt, 30)
+    assert_identical_on_all_ranks(model, f"ident.{type(opt).__name__}")
+    moved = sum(float((p - q).abs().sum()) for p, q in zip(model.parameters(), start.parameters()))
+    assert moved > 0
+    assert opt.stats().selected > 0
+
+
+def test_backward_passes_per_step_two():
+    model = mlp()
+    opt = hvds.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+        backward_passes_per_step=2, density=1.0,
+    )
+    summed = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    opt.zero_grad()
+    for micro in range(2):
+        x, y = batch(micro)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    for n, p in model.named_parameters():
+        summed[n] = p.grad.clone()
+    opt.synchronize()
+    for n, p in model.named_parameters():
+        dense = hvd.allreduce(summed[n], name=f"bpps.{n}")
+        assert (p.grad - dense).norm() / dense.norm() < 1e-6, n
+    # A third pass before step() is an error, as in Horovod.
+    with opt.skip_synchronize():
+        opt.step()
+    for micro in range(2):
+        x, y = batch(micro)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    x, y = batch(3)
+    with pytest.raises(AssertionError, match="backward_passes_per_step"):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+
+
+def test_groups_define_buckets():
+    model = mlp()
+    weights = [m.weight for m in model if isinstance(m, torch.nn.Linear)]
+    opt = hvds.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+        groups=[weights[:2]], density=1.0,
+    )
+    assert len(opt.residuals()) == 2  # the group, then the remaining large weight
+    grads = set_grads(model, 5)
+    opt.synchronize()
+    for n, p in model.named_parameters():
+        dense = hvd.allreduce(grads[n], name=f"groups.{n}")
+        assert (p.grad - dense).norm() / dense.norm() < 1e-6, n
+    num = hvds.DistributedOptimizer(
+        torch.optim.SGD(mlp().parameters(), lr=0.1), num_groups=3, density=0.5
+    )
+    assert len(num.residuals()) == 3
+
+
+def test_clipping_with_skip_synchronize_matches_dense_horovod():
+    sparse_model, dense_model = mlp(), mlp()
+    sparse_opt = hvds.DistributedOptimizer(
+        torch.optim.SGD(sparse_model.parameters(), lr=0.1, momentum=0.9),
+        sparse_model.named_parameters(), density=1.0,
+    )
+    dense_opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(dense_model.parameters(), lr=0.1, momentum=0.9),
+        dense_model.named_parameters(),
+    )
+    train(sparse_model, sparse_opt, 10, clip=0.5)
+    train(dense_model, dense_opt, 10, clip=0.5)
+    for p, q in zip(sparse_model.parameters(), dense_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert_identical_on_all_ranks(sparse_model, "clip")
+
+
+def test_bytes_at_one_percent_within_three_percent_of_dense():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    assert sum(p.numel() for p in model.parameters()) >= 1_000_000
+    opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters())
+    for step in range(3):
+        g = torch.Generator().manual_seed(step + 100 * hvd.rank())
+        x, y = torch.randn(32, 1024, generator=g), torch.randint(0, 10, (32,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        s = opt.stats()
+        ratio = (s.bytes_sent + s.bytes_received) / s.dense_bytes
+        print(f"np={hvd.size()} step={step} sent={s.bytes_sent} received={s.bytes_received} "
+              f"dense={s.dense_bytes} ratio={ratio:.4f} density={s.density:.4f}")
+        assert ratio <= 0.03, ratio
+        assert 0.009 < s.density < 0.012
+
+
+def test_state_dict_round_trip_continues_identically():
+    def make():
+        model = mlp()
+        opt = hvds.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model.named_parameters(),
+            density=0.05,
+        )
+        return model, opt
+
+    model_a, opt_a = make()
+    train(model_a, opt_a, 5)
+    saved_model, saved_opt = copy.deepcopy(model_a.state_dict()), copy.deepcopy(opt_a.state_dict())
+    assert all(float(r.abs().sum()) > 0 for r in saved_opt["horovod_sparse"]["residuals"].values())
+    train_more = [batch(s) for s in range(5, 10)]
+    for x, y in train_more:
+        opt_a.zero_grad()
+        torch.nn.functional.cross_entropy(model_a(x), y).backward()
+        opt_a.step()
+    model_b, opt_b = make()
+    model_b.load_state_dict(saved_model)
+    opt_b.load_state_dict(saved_opt)
+    for name, r in opt_b.residuals().items():
+        assert torch.equal(r, saved_opt["horovod_sparse"]["residuals"][name])
+    for x, y in train_more:
+        opt_b.zero_grad()
+        torch.nn.functional.cross_entropy(model_b(x), y).backward()
+        opt_b.step()
+    for p, q in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_sparse_embedding_gradients():
+    torch.manual_seed(5)
+    emb = torch.nn.Embedding(2000, 8, sparse=True)
+    opt = hvds.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), emb.named_parameters(), density=1.0)
+    # The hook meets the sparse gradient during backward and refuses it on every rank.
+    with pytest.raises((ValueError, RuntimeError), match="sparse_as_dense"):
+        emb(torch.tensor([1, 2, 3])).sum().backward()
+    del opt
+    emb2 = torch.nn.Embedding(2000, 8, sparse=True)
+    opt2 = hvds.DistributedOptimizer(
+        torch.optim.SGD(emb2.parameters(), lr=0.1), emb2.named_parameters(), sparse_as_dense=True, density=1.0
+    )
+    emb2(torch.tensor([hvd.rank()])).sum().backward()
+    opt2.synchronize()
+    expected = torch.zeros(2000, 8)
+    expected[: hvd.size()] = 1.0 / hvd.size()
+    torch.testing.assert_close(emb2.weight.grad, expected)
+
+
+class ClippedSGD(hvds.SparseOptimizerMixin, torch.optim.SGD):
+    """A user subclass: the mixin composes with any optimizer class."""
+
+
+def test_subclassing_the_mixin():
+    model = mlp()
+    opt = ClippedSGD(model.parameters(), lr=0.05, named_parameters=model.named_parameters(), density=0.1)
+    assert isinstance(opt, torch.optim.SGD) and isinstance(opt, hvds.SparseOptimizerMixin)
+    train(model, opt, 3)
+    assert_identical_on_all_ranks(model, "subclass")
+    wrapped = hvds.DistributedOptimizer(torch.optim.Adam(mlp().parameters()))
+    assert isinstance(wrapped, torch.optim.Adam) and type(wrapped).__name__ == "SparseAdam"
