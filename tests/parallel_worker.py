@@ -11,7 +11,8 @@ if __name__ == "__main__":
     args = [
         path,
         "-q",
-        "-p", "no:cacheprovider",
+        "-p",
+        "no:cacheprovider",
         "--timeout=240",  # a hung collective fails this test instead of the whole launch
         f"--junitxml={report_dir}/rank{rank}.xml",
         *extra,

@@ -57,21 +57,36 @@ def parse_reports(report_dir: Path, world_size: int) -> tuple[dict[str, str], li
     return outcomes, problems
 
 
-def launch(path: Path, world_size: int, timeout: float, keyword: str | None) -> tuple[int, int, list[str]]:
+def launch(
+    path: Path, world_size: int, timeout: float, keyword: str | None
+) -> tuple[int, int, list[str]]:
     """Run one file at one world size; returns (passed, failed, messages)."""
     with tempfile.TemporaryDirectory(prefix="hvds-reports-") as tmp:
         report_dir = Path(tmp)
         cmd = [
-            "horovodrun", "-np", str(world_size), "-H", f"localhost:{world_size}", "--gloo",
-            sys.executable, str(HERE / "parallel_worker.py"), str(path), str(report_dir),
+            "horovodrun",
+            "-np",
+            str(world_size),
+            "-H",
+            f"localhost:{world_size}",
+            "--gloo",
+            sys.executable,
+            str(HERE / "parallel_worker.py"),
+            str(path),
+            str(report_dir),
         ]
         if keyword:
             cmd += ["-k", keyword]
         env = dict(os.environ, PYTHONPATH=str(ROOT), HOROVOD_SPARSE_TEST_WORLD_SIZE=str(world_size))
         start = time.monotonic()
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True,
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         timed_out = False
         try:
@@ -88,14 +103,21 @@ def launch(path: Path, world_size: int, timeout: float, keyword: str | None) -> 
     launch_problems = []
     if timed_out:
         launch_problems.append(f"timed out after {timeout:.0f}s")
-    if proc.returncode not in (0, None) and not timed_out and all(o == "passed" for o in outcomes.values()):
+    if (
+        proc.returncode not in (0, None)
+        and not timed_out
+        and all(o == "passed" for o in outcomes.values())
+    ):
         launch_problems.append(f"horovodrun exited with {proc.returncode}")
     if not outcomes:
         launch_problems.append("no test ran")
     passed = sum(1 for o in outcomes.values() if o == "passed")
     failed = len(outcomes) - passed + len(launch_problems)
     status = "ok" if failed == 0 else "FAILED"
-    print(f"{label}: {passed} passed, {len(outcomes) - passed} failed, {elapsed:.1f}s {status}", flush=True)
+    print(
+        f"{label}: {passed} passed, {len(outcomes) - passed} failed, {elapsed:.1f}s {status}",
+        flush=True,
+    )
     for test_id, outcome in sorted(outcomes.items()):
         if outcome != "passed":
             messages.append(f"{outcome.upper()} {label} {test_id}")

@@ -46,8 +46,10 @@ def main() -> None:
     torch.set_num_threads(1)
     features, classes = 128, 10
     model = torch.nn.Sequential(
-        torch.nn.Linear(features, args.width), torch.nn.ReLU(),
-        torch.nn.Linear(args.width, args.width), torch.nn.ReLU(),
+        torch.nn.Linear(features, args.width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.width, args.width),
+        torch.nn.ReLU(),
         torch.nn.Linear(args.width, classes),
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -79,7 +81,10 @@ def main() -> None:
             sent, received = s.bytes_sent, s.bytes_received
         moved.append(sent + received)
         if hvd.rank() == 0 and (step % 25 == 0 or step == args.steps - 1):
-            print(f"[{mode}] step {step:4d} loss {losses[-1]:.4f} bytes/step {moved[-1]:,}", flush=True)
+            print(
+                f"[{mode}] step {step:4d} loss {losses[-1]:.4f} bytes/step {moved[-1]:,}",
+                flush=True,
+            )
     elapsed = time.perf_counter() - start
     dense_sent, dense_received = allreduce_ring_bytes(numel, hvd.size(), 4)
     summary = {

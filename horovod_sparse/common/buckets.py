@@ -6,8 +6,8 @@ the same parameters computes the same plan, with no communication.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 __all__ = ["INT32_INDEX_LIMIT", "Bucket", "BucketEntry", "BucketPlan", "plan_buckets"]
 
@@ -32,6 +32,7 @@ class Bucket:
     index: int
     dtype: str
     entries: tuple[BucketEntry, ...]
+    kind: str = "sparse"  # "sparse" or "dense": which exchange the bucket uses
     numel: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -40,7 +41,7 @@ class Bucket:
     @property
     def name(self) -> str:
         """Stable collective-name stem, identical on every rank."""
-        return f"bucket{self.index}.{self.dtype}"
+        return f"{self.kind}{self.index}.{self.dtype}"
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ def plan_buckets(
     tensors: Sequence[tuple[str, int, str, int]],
     capacity_bytes: int,
     groups: Sequence[Sequence[str]] | None = None,
+    kind: str = "sparse",
 ) -> BucketPlan:
     """Cut tensors into buckets of at most ``capacity_bytes`` (one tensor may exceed it).
 
@@ -73,6 +75,7 @@ def plan_buckets(
         groups: optional explicit buckets as lists of names (Horovod's ``groups``); each
             group becomes its own bucket(s), split by dtype; tensors in no group are
             planned by capacity after them.
+        kind: recorded on each bucket (``"sparse"`` or ``"dense"``); part of its name.
 
     Returns:
         The plan. It depends on its arguments only, so equal inputs on every rank give
@@ -101,7 +104,7 @@ def plan_buckets(
         for name, numel, _, _ in members:
             entries.append(BucketEntry(name, numel, offset))
             offset += numel
-        buckets.append(Bucket(len(buckets), members[0][2], tuple(entries)))
+        buckets.append(Bucket(len(buckets), members[0][2], tuple(entries), kind))
 
     grouped: set[str] = set()
     for group in groups or ():
@@ -124,7 +127,9 @@ def plan_buckets(
             continue
         dtype, nbytes = t[2], t[1] * t[3]
         members, used = open_buckets.get(dtype, ([], 0))
-        if members and (used + nbytes > capacity_bytes or sum(m[1] for m in members) + t[1] > INT32_INDEX_LIMIT):
+        if members and (
+            used + nbytes > capacity_bytes or sum(m[1] for m in members) + t[1] > INT32_INDEX_LIMIT
+        ):
             emit(members)
             members, used = [], 0
         members.append(t)

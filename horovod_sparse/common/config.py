@@ -63,9 +63,13 @@ class SparseConfig:
         if int(self.min_sparse_numel) < 0:
             raise ValueError(f"min_sparse_numel must be >= 0, got {self.min_sparse_numel}")
         if self.selection not in SELECTION_METHODS:
-            raise ValueError(f"selection must be one of {SELECTION_METHODS}, got {self.selection!r}")
+            raise ValueError(
+                f"selection must be one of {SELECTION_METHODS}, got {self.selection!r}"
+            )
         if self.partition not in PARTITION_METHODS:
-            raise ValueError(f"partition must be one of {PARTITION_METHODS}, got {self.partition!r}")
+            raise ValueError(
+                f"partition must be one of {PARTITION_METHODS}, got {self.partition!r}"
+            )
         if self.fusion_threshold_bytes is not None and int(self.fusion_threshold_bytes) < 0:
             raise ValueError(
                 f"fusion_threshold_bytes must be >= 0, got {self.fusion_threshold_bytes}"

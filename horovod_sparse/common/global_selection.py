@@ -28,9 +28,7 @@ RADIX_SHIFTS = (24, 16, 8, 0)  # most significant digit first
 HISTOGRAM_BINS = 1 << RADIX_BITS
 
 
-def global_threshold_key(
-    ops: Backend, keys: Tensor, k: int, name: str, process_set: Any
-) -> Tensor:
+def global_threshold_key(ops: Backend, keys: Tensor, k: int, name: str, process_set: Any) -> Tensor:
     """Key (fp32 magnitude bits) of the k-th largest magnitude over all owners.
 
     Args:

@@ -5,7 +5,9 @@ Example:
     >>> import horovod_sparse.torch as hvds
     >>> hvd.init()
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size(), momentum=0.9)
-    >>> opt = hvds.DistributedOptimizer(opt, named_parameters=model.named_parameters(), density=0.01)
+    >>> opt = hvds.DistributedOptimizer(
+    ...     opt, named_parameters=model.named_parameters(), density=0.01
+    ... )
 """
 
 from horovod_sparse.common.stats import StepStats

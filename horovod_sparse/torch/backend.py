@@ -49,8 +49,13 @@ class TorchBackend:
     def itemsize(self, tensor: torch.Tensor) -> int:
         return tensor.element_size()
 
-    def add_scaled_(self, buffer: torch.Tensor, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    def add_scaled_(
+        self, buffer: torch.Tensor, tensor: torch.Tensor, factor: float
+    ) -> torch.Tensor:
         return buffer.add_(tensor.reshape(-1).to(buffer.dtype), alpha=factor)
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()
 
     def scale(self, tensor: torch.Tensor, factor: float) -> torch.Tensor:
         return tensor.mul_(factor)
@@ -70,7 +75,9 @@ class TorchBackend:
     def zero_at(self, buffer: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return buffer.index_fill_(0, indices, 0)
 
-    def add_at(self, buffer: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def add_at(
+        self, buffer: torch.Tensor, indices: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
         return buffer.index_add_(0, indices, values.to(buffer.dtype))
 
     def shift(self, indices: torch.Tensor, offset: int) -> torch.Tensor:
@@ -162,7 +169,9 @@ class TorchBackend:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         keep = mask.nonzero().view(-1)  # host sync: the all-gather needs its send size
         drop = (~mask).nonzero().view(-1)
-        return [t.index_select(0, keep) for t in tensors], [t.index_select(0, drop) for t in tensors]
+        return [t.index_select(0, keep) for t in tensors], [
+            t.index_select(0, drop) for t in tensors
+        ]
 
     def count_in_range(self, indices: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         return ((indices >= lo) & (indices < hi)).sum()
@@ -174,7 +183,9 @@ class TorchBackend:
         return out.index_copy_(0, indices, values.to(like.dtype))
 
     # ---- collectives
-    def alltoall_async(self, rows: torch.Tensor, splits: list[int], name: str, process_set: Any) -> _Pending:
+    def alltoall_async(
+        self, rows: torch.Tensor, splits: list[int], name: str, process_set: Any
+    ) -> _Pending:
         split_tensor = torch.tensor(splits, dtype=torch.int32)
         handle = hvd.alltoall_async(rows, splits=split_tensor, name=name, process_set=process_set)
         return _Pending(handle, "alltoall")

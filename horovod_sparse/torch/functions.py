@@ -32,7 +32,9 @@ _REDUCERS: dict[tuple[str, int], BucketReducer] = {}
 _LAST_NAME: list[tuple[str, int]] = []
 
 
-def scale_factors(op: Any, world_size: int, prescale: float, postscale: float) -> tuple[float, float]:
+def scale_factors(
+    op: Any, world_size: int, prescale: float, postscale: float
+) -> tuple[float, float]:
     """Pre- and post-scale applied around the sum for Horovod's ``op``.
 
     Raises:
@@ -78,7 +80,9 @@ def _check_tensor(tensor: torch.Tensor, name: str | None) -> str:
             "tensor must be passed under the same name every step"
         )
     if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-        raise TypeError(f"sparse_allreduce({name!r}) needs a floating-point tensor, got {tensor!r:.80}")
+        raise TypeError(
+            f"sparse_allreduce({name!r}) needs a floating-point tensor, got {tensor!r:.80}"
+        )
     if tensor.dtype == torch.bfloat16:
         raise TypeError(
             f"sparse_allreduce({name!r}): bfloat16 is not supported by Horovod's torch bindings; "

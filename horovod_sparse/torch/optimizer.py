@@ -10,17 +10,24 @@ Tensors smaller than ``min_sparse_numel`` go through Horovod's dense allreduce.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import horovod.torch as hvd
 import torch
 
 from horovod_sparse.common.buckets import Bucket, plan_buckets
 from horovod_sparse.common.config import SparseConfig
-from horovod_sparse.common.pipeline import BucketReducer, GatherInFlight, ScatterInFlight
-from horovod_sparse.common.stats import StepStats, allreduce_ring_bytes
+from horovod_sparse.common.pipeline import (
+    BucketReducer,
+    DenseBucketReducer,
+    GatherInFlight,
+    ScatterInFlight,
+)
+from horovod_sparse.common.stats import StepStats
 from horovod_sparse.torch.functions import BACKEND, scale_factors
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
@@ -35,20 +42,9 @@ class _BucketSlot:
     bucket: Bucket
     params: list[torch.Tensor]
     flat: torch.Tensor
-    reducer: BucketReducer
+    reducer: BucketReducer | DenseBucketReducer
     waiting: int = 0  # members whose gradient has not arrived this step
     stage: ScatterInFlight | GatherInFlight | None = None
-
-
-@dataclass
-class _DenseSlot:
-    """A small tensor reduced by Horovod's dense allreduce."""
-
-    name: str
-    param: torch.Tensor
-    handle: Any = None
-    ctx: Any = None
-    stats: StepStats = field(default_factory=StepStats)
 
 
 class SparseOptimizerMixin:
@@ -119,7 +115,9 @@ class SparseOptimizerMixin:
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         if self.backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+            raise ValueError(
+                f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
+            )
         if gradient_predivide_factor != 1.0 and op != hvd.Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         if not process_set.included():
@@ -137,30 +135,39 @@ class SparseOptimizerMixin:
         self._param_names = {p: n for n, p in named}
         self._validate_across_ranks(named)
 
-        # Internal state: buckets for large tensors, dense slots for small ones.
+        # Internal state: sparse buckets for large tensors, dense buckets for small ones.
         large = [(n, p) for n, p in named if p.numel() >= config.min_sparse_numel]
         small = [(n, p) for n, p in named if p.numel() < config.min_sparse_numel]
-        by_name = dict(large)
-        # Gradients tend to become ready in reverse registration order.
-        ordered = list(reversed(large))
-        plan = plan_buckets(
-            [(n, p.numel(), _dtype_name(p.dtype), p.element_size()) for n, p in ordered],
-            config.bucket_bytes,
-            groups=self._group_names(groups, num_groups, large),
+        by_name = dict(named)
+
+        def describe(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, int, str, int]]:
+            # Gradients tend to become ready in reverse registration order.
+            return [
+                (n, p.numel(), _dtype_name(p.dtype), p.element_size()) for n, p in reversed(tensors)
+            ]
+
+        sparse_plan = plan_buckets(
+            describe(large), config.bucket_bytes, self._group_names(groups, num_groups, large)
         )
+        dense_plan = plan_buckets(describe(small), config.bucket_bytes, kind="dense")
         self._buckets: list[_BucketSlot] = []
         self._slot_of: dict[torch.Tensor, tuple[_BucketSlot, int]] = {}
-        for bucket in plan.buckets:
+        for bucket in sparse_plan.buckets + dense_plan.buckets:
             params = [by_name[e.name] for e in bucket.entries]
             flat = torch.zeros(bucket.numel, dtype=params[0].dtype, device=params[0].device)
-            reducer = BucketReducer(
-                BACKEND, f"hvds.opt.{bucket.name}", bucket.numel, flat, config, process_set, compression
-            )
+            name = f"hvds.opt.{bucket.name}"
+            if bucket.kind == "sparse":
+                reducer = BucketReducer(
+                    BACKEND, name, bucket.numel, flat, config, process_set, compression
+                )
+            else:
+                reducer = DenseBucketReducer(
+                    BACKEND, name, bucket.numel, flat, process_set, compression
+                )
             slot = _BucketSlot(bucket, params, flat, reducer)
             self._buckets.append(slot)
             for entry, p in zip(bucket.entries, params):
                 self._slot_of[p] = (slot, entry.offset)
-        self._dense = {p: _DenseSlot(n, p) for n, p in small}
         self._passes_left = {p: self.backward_passes_per_step for _, p in named}
         self._should_synchronize = True
         self._synchronized = False
@@ -194,7 +201,9 @@ class SparseOptimizerMixin:
             raise ValueError("the optimizer has no parameters that require gradients")
         for n, p in named:
             if not p.is_floating_point():
-                raise TypeError(f"parameter {n!r} has dtype {p.dtype}; gradients must be floating point")
+                raise TypeError(
+                    f"parameter {n!r} has dtype {p.dtype}; gradients must be floating point"
+                )
             if p.dtype == torch.bfloat16:
                 raise TypeError(
                     f"parameter {n!r} is bfloat16, which Horovod's torch bindings do not support; "
@@ -205,7 +214,7 @@ class SparseOptimizerMixin:
     def _group_names(
         self, groups: Any, num_groups: int, large: list[tuple[str, torch.Tensor]]
     ) -> list[list[str]] | None:
-        """Horovod's ``groups``/``num_groups`` become explicit buckets (dense-path tensors excluded)."""
+        """Horovod's ``groups``/``num_groups`` as explicit buckets (small tensors go dense)."""
         names = {p: n for n, p in large}
         if groups is not None:
             if isinstance(groups, int):
@@ -221,7 +230,7 @@ class SparseOptimizerMixin:
     def _validate_across_ranks(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """One small collective: every rank must hold the same parameter list."""
         mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        everyone = hvd.allgather_object(mine, process_set=self.process_set)
+        everyone = allgather_object(mine, "hvds.opt.validate", self.process_set)
         for rank, theirs in enumerate(everyone):
             if theirs == mine:
                 continue
@@ -272,18 +281,6 @@ class SparseOptimizerMixin:
     def _submit(self, p: torch.Tensor) -> None:
         self._passes_left[p] = 0
         grad = self._dense_grad(p)
-        if p in self._dense:
-            slot = self._dense[p]
-            wire, slot.ctx = self.compression.compress(grad)
-            slot.handle = hvd.allreduce_async_(
-                wire,
-                name=f"hvds.opt.dense.{slot.name}",
-                op=self.op,
-                prescale_factor=self._prescale if self.op == hvd.Average else 1.0,
-                postscale_factor=self.gradient_predivide_factor if self.op == hvd.Average else 1.0,
-                process_set=self.process_set,
-            )
-            return
         bucket_slot, offset = self._slot_of[p]
         bucket_slot.flat[offset : offset + p.numel()].copy_(grad.reshape(-1))
         bucket_slot.waiting -= 1
@@ -318,13 +315,6 @@ class SparseOptimizerMixin:
                 p.grad.copy_(result[entry.offset : entry.offset + entry.numel].view_as(p.grad))
             slot.stage = None
             total += slot.reducer.last_stats()
-        world_size = self.process_set.size()
-        for p, slot in self._dense.items():
-            output = hvd.synchronize(slot.handle)
-            p.grad.copy_(self.compression.decompress(output, slot.ctx))
-            slot.handle = None
-            sent, received = allreduce_ring_bytes(p.numel(), world_size, p.element_size())
-            total += StepStats(sent, received, sent + received, p.numel(), p.numel())
         self._step_stats = total
         self._begin_step()
         self._synchronized = True
@@ -351,9 +341,7 @@ class SparseOptimizerMixin:
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if any(slot.stage is not None for slot in self._buckets) or any(
-            s.handle is not None for s in self._dense.values()
-        ):
+        if any(slot.stage is not None for slot in self._buckets):
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
@@ -367,7 +355,11 @@ class SparseOptimizerMixin:
 
     def residuals(self) -> dict[str, torch.Tensor]:
         """This rank's residual per bucket name (flat buffers; read-only views)."""
-        return {slot.bucket.name: slot.reducer.residual for slot in self._buckets}
+        return {
+            slot.bucket.name: slot.reducer.residual
+            for slot in self._buckets
+            if isinstance(slot.reducer, BucketReducer)
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state plus this rank's residuals.
@@ -401,14 +393,34 @@ class SparseOptimizerMixin:
                 f"{self.process_set.size()}: residuals start from zero",
                 stacklevel=2,
             )
-        for slot in self._buckets:
-            saved = sparse_state["residuals"].get(slot.bucket.name)
-            if saved is None or saved.numel() != slot.bucket.numel:
-                raise ValueError(f"checkpoint has no residual matching {slot.bucket.name}")
+        for name, residual in self.residuals().items():
+            saved = sparse_state["residuals"].get(name)
+            if saved is None or saved.numel() != residual.numel():
+                raise ValueError(f"checkpoint has no residual matching bucket {name}")
             if same_place:
-                slot.reducer.residual.copy_(saved)
+                residual.copy_(saved)
             else:
-                slot.reducer.residual.zero_()
+                residual.zero_()
+
+
+def allgather_object(obj: Any, name: str, process_set: Any) -> list[Any]:
+    """Pickle-based allgather within ``process_set``.
+
+    Horovod 0.28's ``allgather_object`` takes no process set. This version sends two
+    small allgathers: the lengths, then the payloads.
+    """
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    lengths = hvd.allgather(
+        torch.tensor([payload.numel()], dtype=torch.int64),
+        name=f"{name}.len",
+        process_set=process_set,
+    ).tolist()
+    gathered = hvd.allgather(payload, name=f"{name}.data", process_set=process_set)
+    out, start = [], 0
+    for length in lengths:
+        out.append(pickle.loads(gathered[start : start + length].numpy().tobytes()))
+        start += length
+    return out
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -422,7 +434,9 @@ def _sparse_class(base: type) -> type:
     """``SparseOptimizerMixin`` combined with ``base`` (cached, importable by name)."""
     if base not in _COMBINED:
         name = f"Sparse{base.__name__}"
-        cls = type(name, (SparseOptimizerMixin, base), {"__module__": __name__, "__qualname__": name})
+        cls = type(
+            name, (SparseOptimizerMixin, base), {"__module__": __name__, "__qualname__": name}
+        )
         _COMBINED[base] = cls
         globals().setdefault(name, cls)  # so pickle finds it
     return _COMBINED[base]

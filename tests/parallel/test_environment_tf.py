@@ -4,8 +4,8 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import horovod.tensorflow as hvd  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import horovod.tensorflow as hvd
+import tensorflow as tf
 
 hvd.init()
 

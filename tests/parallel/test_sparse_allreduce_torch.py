@@ -66,7 +66,9 @@ def test_residual_invariant_50_steps():
         grad[step * 37 % numel] += 50.0
         out = hvds.sparse_allreduce(grad, density=0.01, name="inv", op=hvd.Average)
         after = hvds.residual("inv")
-        lhs = hvd.allreduce(after.double(), op=hvd.Sum, name=f"inv.lhs.{step}") + size * out.double()
+        lhs = (
+            hvd.allreduce(after.double(), op=hvd.Sum, name=f"inv.lhs.{step}") + size * out.double()
+        )
         rhs = hvd.allreduce((before + grad).double(), op=hvd.Sum, name=f"inv.rhs.{step}")
         torch.testing.assert_close(lhs, rhs, rtol=0, atol=1e-4)
         assert int((out != 0).sum()) == budget(numel, 0.01)
@@ -75,21 +77,25 @@ def test_residual_invariant_50_steps():
 
 def test_stats_count_bytes():
     hvds.reset_residuals()
-    numel, size = 100_000, hvd.size()
+    numel, size = 1_000_000, hvd.size()  # the fixed 8 KiB of histograms is 0.1% here
     hvds.sparse_allreduce(local_grad(0, numel), density=0.01, name="st")
     s = hvds.stats("st")
     assert s.dense_bytes == 4 * numel * (size - 1) // size * 4
     assert s.selected == budget(numel, 0.01) and abs(s.density - 0.01) < 1e-9
     # rows of 8 bytes: alltoall ~ k(P-1)/P each way, allgather ~ k(P-1)/P each way.
     assert 0 < s.bytes_sent + s.bytes_received < 0.03 * s.dense_bytes
-    totals = hvd.allreduce(torch.tensor([s.bytes_sent, s.bytes_received], dtype=torch.float64), op=hvd.Sum, name="st.sum")
+    totals = hvd.allreduce(
+        torch.tensor([s.bytes_sent, s.bytes_received], dtype=torch.float64),
+        op=hvd.Sum,
+        name="st.sum",
+    )
     # Every byte sent is received by someone: totals over ranks agree for the exchange.
     assert abs(float(totals[0]) - float(totals[1])) <= 8 * budget(numel, 0.01)
 
 
 def test_async_variant_and_fp16_compression_keep_mass():
     hvds.reset_residuals()
-    numel, size = 10_000, hvd.size()
+    numel, _size = 10_000, hvd.size()
     grad = local_grad(3, numel)
     handle = hvds.sparse_allreduce_async(
         grad, density=0.05, name="fp16", op=hvd.Sum, compression=hvd.Compression.fp16

@@ -21,13 +21,18 @@ def tensors(*sizes, dtype="float32"):
 
 def test_plan_respects_capacity_and_order():
     plan = plan_buckets(tensors(10, 10, 10, 30, 5), capacity_bytes=80)
-    assert [[e.name for e in b.entries] for b in plan.buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
+    assert [[e.name for e in b.entries] for b in plan.buckets] == [
+        ["t0", "t1"],
+        ["t2"],
+        ["t3"],
+        ["t4"],
+    ]
     assert [b.numel for b in plan.buckets] == [20, 10, 30, 5]
     assert [e.offset for e in plan.buckets[0].entries] == [0, 10]
 
 
 def test_plan_is_deterministic_and_splits_dtypes():
-    ts = tensors(4, 4) + [("h", 8, "float16", 2), ("t9", 4, "float32", 4)]
+    ts = [*tensors(4, 4), ("h", 8, "float16", 2), ("t9", 4, "float32", 4)]
     a, b = plan_buckets(ts, 1 << 20), plan_buckets(list(ts), 1 << 20)
     assert a == b
     assert {bk.dtype for bk in a.buckets} == {"float32", "float16"}
