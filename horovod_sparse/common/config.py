@@ -6,7 +6,14 @@ import math
 import os
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_FUSION_THRESHOLD_BYTES", "SparseConfig", "budget", "fusion_threshold_bytes"]
+__all__ = [
+    "DEFAULT_FUSION_THRESHOLD_BYTES",
+    "SparseConfig",
+    "budget",
+    "fusion_threshold_bytes",
+    "optimizer_scales",
+    "reduction_scales",
+]
 
 # Horovod's own default fusion buffer (HOROVOD_FUSION_THRESHOLD): 128 MiB.
 DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
@@ -83,3 +90,37 @@ class SparseConfig:
     def budget(self, numel: int) -> int:
         """k for a bucket of ``numel`` elements."""
         return budget(numel, self.density)
+
+
+def reduction_scales(
+    op: str, world_size: int, prescale: float = 1.0, postscale: float = 1.0
+) -> tuple[float, float]:
+    """Factors applied before and after the sum, for Horovod's ``op`` by name.
+
+    ``"average"`` divides by the process-set size after the sum, as Horovod does; ``"sum"``
+    does not. The residual invariant holds in the pre-scaled sum space either way.
+
+    Raises:
+        ValueError: for any other reduction (Adasum, Min, Max, Product).
+    """
+    if op == "average":
+        return prescale, postscale / world_size
+    if op == "sum":
+        return prescale, postscale
+    raise ValueError(
+        f"sparse allreduce supports op=Average and op=Sum, got op={op}; "
+        "use Horovod's dense allreduce for other reductions"
+    )
+
+
+def optimizer_scales(
+    op: str, world_size: int, gradient_predivide_factor: float
+) -> tuple[float, float]:
+    """Horovod's optimizer split of the average: ``1/f`` before the sum, ``f/P`` after it."""
+    if gradient_predivide_factor != 1.0 and op != "average":
+        raise ValueError("gradient_predivide_factor is only supported with op=Average")
+    if op == "average":
+        return reduction_scales(
+            op, world_size, 1.0 / gradient_predivide_factor, gradient_predivide_factor
+        )
+    return reduction_scales(op, world_size)

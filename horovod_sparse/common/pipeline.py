@@ -12,7 +12,6 @@ Invariant (checked by the tests): for every step, summed over ranks,
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,12 +27,7 @@ from horovod_sparse.common.global_selection import global_threshold_key, histogr
 from horovod_sparse.common.partition import make_partitioner
 from horovod_sparse.common.reduction import owner_reduce
 from horovod_sparse.common.selection import make_selection
-from horovod_sparse.common.stats import (
-    StepStats,
-    allgather_ring_bytes,
-    allreduce_ring_bytes,
-    alltoall_bytes,
-)
+from horovod_sparse.common.stats import StepStats, allgather_ring_bytes, allreduce_ring_bytes
 
 __all__ = ["BucketReducer", "DenseBucketReducer", "GatherInFlight", "ScatterInFlight"]
 
@@ -76,6 +70,8 @@ class BucketReducer:
         compression: the adapter's value compression (Horovod ``Compression``), or None.
     """
 
+    NUM_COUNTS = 7  # len(step_counts())
+
     def __init__(
         self,
         ops: Backend,
@@ -111,10 +107,9 @@ class BucketReducer:
         residual (plus the rounding of lossy value compression).
         """
         ops = self.ops
-        tick = time.perf_counter()
+        began = ops.clock()
         # Step 2: error feedback; the residual buffer becomes the accumulator in place.
-        self.residual = ops.add_scaled_(self.residual, grad, prescale)
-        accumulator = self.residual
+        accumulator = ops.add_scaled_(self.residual, grad, prescale)
         # Step 3: local selection; what is not selected stays in the residual.
         indices = self.selection.select(ops, accumulator, self.k)
         values = ops.take(accumulator, indices)
@@ -123,15 +118,15 @@ class BucketReducer:
         if lost is not None:
             # Lossy compression: the rounding stays here instead of vanishing.
             self.residual = ops.add_at(self.residual, indices, lost)
-        selected_at = time.perf_counter()
+        selected = ops.clock(wire)
         # Steps 4-5: partition and Spar-Reduce-Scatter.
         sent = spar_reduce_scatter_start(
             ops, indices, wire, self.boundaries, self.name, self.process_set
         )
         self._accounting = {
-            "select": selected_at - tick,
-            "exchange": time.perf_counter() - selected_at,
-            "local_selected": ops.num_rows(indices),
+            "select": selected - began,
+            "exchange": ops.clock() - selected,
+            "send_splits": sent.send_splits,
             "row_bytes": row_bytes(ops.itemsize(wire)),
         }
         return ScatterInFlight(sent, wire, ctx)
@@ -146,12 +141,10 @@ class BucketReducer:
         added to ``residual`` (global residual collection: no mass is dropped).
         """
         ops, acc = self.ops, self._accounting
-        tick = time.perf_counter()
+        began = ops.clock()
         rows, recv_splits = ops.wait(inflight.sent.handle)
-        waited = time.perf_counter()
-        acc["reduce_scatter"] = alltoall_bytes(
-            inflight.sent.send_splits, recv_splits, self.rank, acc["row_bytes"]
-        )
+        received = ops.clock(rows)
+        acc["recv_splits"] = recv_splits
         lo, hi = self.boundaries[self.rank], self.boundaries[self.rank + 1]
         # Step 6a: owner reduction (duplicates from different ranks add up).
         region_indices, sums = owner_reduce(
@@ -171,15 +164,15 @@ class BucketReducer:
         )
         # Step 6c: global residual collection: dropped sums go back to this owner's residual.
         self.residual = ops.add_at(self.residual, ops.shift(drop_idx, lo), drop_val)
-        selected_at = time.perf_counter()
+        selected = ops.clock(kept_val)
         # Step 7: Spar-All-Gather of the kept rows with bucket-local indices.
         wire, ctx, lost = ops.compress(kept_val, self.compression)
         bucket_idx = ops.shift(kept_idx, lo)
         if lost is not None:
             self.residual = ops.add_at(self.residual, bucket_idx, lost)
         handle = spar_all_gather_start(ops, bucket_idx, wire, self.name, self.process_set)
-        acc["select"] += selected_at - waited
-        acc["exchange"] += (waited - tick) + (time.perf_counter() - selected_at)
+        acc["select"] = acc["select"] + (selected - received)
+        acc["exchange"] = acc["exchange"] + (received - began) + (ops.clock() - selected)
         acc["gather_row_bytes"] = row_bytes(ops.itemsize(wire))
         return GatherInFlight(handle, ops.num_rows(bucket_idx), wire, ctx)
 
@@ -190,44 +183,61 @@ class BucketReducer:
         Sends nothing more. Returns ``postscale * sum`` as a flat buffer of length n.
         """
         ops, acc = self.ops, self._accounting
-        tick = time.perf_counter()
+        began = ops.clock()
         rows = ops.wait(inflight.handle)
-        acc["exchange"] += time.perf_counter() - tick
+        acc["exchange"] = acc["exchange"] + (ops.clock(rows) - began)
         indices, wire_values = ops.unpack_rows(rows, inflight.wire_like)
         values = ops.decompress(wire_values, inflight.compression_ctx)
         result = ops.scatter_into(self.numel, like, indices, values)
         nxt = (self.rank + 1) % self.world_size
-        acc["gather"] = (
-            ops.num_rows(indices),
-            inflight.own_rows,
-            ops.count_in_range(indices, self.boundaries[nxt], self.boundaries[nxt + 1]),
+        acc["gather_total"] = ops.num_rows(indices)
+        acc["gather_own"] = inflight.own_rows
+        acc["gather_next"] = ops.count_in_range(
+            indices, self.boundaries[nxt], self.boundaries[nxt + 1]
         )
-        acc["selected"] = ops.num_rows(indices)
         return ops.scale(result, postscale) if postscale != 1.0 else result
 
     # ---------------------------------------------------------------- stats
-    def last_stats(self) -> StepStats:
-        """Statistics of the most recent completed step (reads one device scalar)."""
+    def step_counts(self) -> list[Any]:
+        """Raw figures of the last step, host numbers or device scalars (an adapter may
+        store them in a variable inside a graph): alltoall rows sent and received,
+        allgather rows in total / own / next rank's, seconds selecting and exchanging."""
+        ops, acc = self.ops, self._accounting
+        return [
+            ops.sum_except(acc["send_splits"], self.rank),
+            ops.sum_except(acc["recv_splits"], self.rank),
+            acc["gather_total"],
+            acc["gather_own"],
+            acc["gather_next"],
+            acc["select"],
+            acc["exchange"],
+        ]
+
+    def stats_from_counts(self, counts: list[float]) -> StepStats:
+        """:class:`StepStats` from host values of :meth:`step_counts`."""
+        rs_sent, rs_received, total, own, next_rows, select, exchange = counts
         acc = self._accounting
-        sent, received = acc["reduce_scatter"]
-        total, own, next_rows = acc["gather"]
-        ag_sent, ag_recv = allgather_ring_bytes(
-            total, own, self.ops.to_host_int(next_rows), acc["gather_row_bytes"]
+        ag_sent, ag_received = allgather_ring_bytes(
+            int(total), int(own), int(next_rows), acc["gather_row_bytes"]
         )
-        hist_sent, hist_recv = histogram_bytes(self.world_size)
-        dense_sent, dense_recv = allreduce_ring_bytes(
+        hist_sent, hist_received = histogram_bytes(self.world_size)
+        dense_sent, dense_received = allreduce_ring_bytes(
             self.numel, self.world_size, self.ops.itemsize(self.residual)
         )
         return StepStats(
-            bytes_sent=sent + ag_sent + hist_sent,
-            bytes_received=received + ag_recv + hist_recv,
-            dense_bytes=dense_sent + dense_recv,
+            bytes_sent=int(rs_sent) * acc["row_bytes"] + ag_sent + hist_sent,
+            bytes_received=int(rs_received) * acc["row_bytes"] + ag_received + hist_received,
+            dense_bytes=dense_sent + dense_received,
             numel=self.numel,
-            selected=acc["selected"],
-            density=acc["selected"] / self.numel,
-            seconds_select=acc["select"],
-            seconds_exchange=acc["exchange"],
+            selected=int(total),
+            density=int(total) / self.numel,
+            seconds_select=float(select),
+            seconds_exchange=float(exchange),
         )
+
+    def last_stats(self) -> StepStats:
+        """Statistics of the most recent completed step (reads device scalars)."""
+        return self.stats_from_counts([self.ops.to_host_number(c) for c in self.step_counts()])
 
     # ---------------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:
@@ -245,6 +255,8 @@ class DenseBucketReducer:
 
     Sends: one ring allreduce of n values (2n(P-1)/P each way). Keeps: nothing.
     """
+
+    NUM_COUNTS = 1  # len(step_counts())
 
     def __init__(
         self,
@@ -266,24 +278,29 @@ class DenseBucketReducer:
         self._seconds = 0.0
 
     def start(self, grad: Tensor, prescale: float = 1.0) -> GatherInFlight:
-        tick = time.perf_counter()
+        began = self.ops.clock()
         scaled = self.ops.scale(self.ops.copy(grad), prescale) if prescale != 1.0 else grad
         wire, ctx, _ = self.ops.compress(scaled, self.compression)
         self._wire_itemsize = self.ops.itemsize(wire)
         handle = self.ops.allreduce_sum_async(wire, f"{self.name}.dense", self.process_set)
-        self._seconds = time.perf_counter() - tick
+        self._seconds = self.ops.clock() - began
         return GatherInFlight(handle, 0, wire, ctx)
 
     def reduce_and_gather(self, inflight: GatherInFlight) -> GatherInFlight:
         return inflight
 
     def finish(self, inflight: GatherInFlight, like: Tensor, postscale: float = 1.0) -> Tensor:
-        tick = time.perf_counter()
+        began = self.ops.clock()
         summed = self.ops.decompress(self.ops.wait(inflight.handle), inflight.compression_ctx)
-        self._seconds += time.perf_counter() - tick
+        self._seconds = self._seconds + (self.ops.clock(summed) - began)
         return self.ops.scale(summed, postscale) if postscale != 1.0 else summed
 
-    def last_stats(self) -> StepStats:
+    def step_counts(self) -> list[Any]:
+        """The one measured figure of a dense step: seconds in the exchange."""
+        return [self._seconds]
+
+    def stats_from_counts(self, counts: list[float]) -> StepStats:
+        (seconds,) = counts
         sent, received = allreduce_ring_bytes(self.numel, self.world_size, self._wire_itemsize)
         dense_sent, dense_received = allreduce_ring_bytes(
             self.numel, self.world_size, self._grad_itemsize
@@ -295,5 +312,8 @@ class DenseBucketReducer:
             numel=self.numel,
             selected=self.numel,
             density=1.0,
-            seconds_exchange=self._seconds,
+            seconds_exchange=float(seconds),
         )
+
+    def last_stats(self) -> StepStats:
+        return self.stats_from_counts([self.ops.to_host_number(c) for c in self.step_counts()])

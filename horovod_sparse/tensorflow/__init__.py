@@ -1,8 +1,31 @@
-"""TensorFlow adapter (mirrors ``horovod.tensorflow``).
+"""TensorFlow adapter: sparse allreduce as a drop-in for ``horovod.tensorflow``.
 
-It will implement the primitives of ``horovod_sparse.common.backend`` with TF ops, so
-that the stage logic in ``horovod_sparse.common`` runs unchanged, eagerly and inside
-``tf.function``.
+Example:
+    >>> import horovod.tensorflow as hvd
+    >>> import horovod_sparse.tensorflow as hvds
+    >>> hvd.init()
+    >>> with tf.GradientTape() as tape:
+    ...     loss = loss_fn(model(x), y)
+    >>> tape = hvds.DistributedGradientTape(tape, density=0.01)
+    >>> grads = tape.gradient(loss, model.trainable_variables)
+
+The Keras 3 optimizer lives in :mod:`horovod_sparse.tensorflow.keras`.
 """
 
-__all__: list[str] = []
+from horovod_sparse.common.stats import StepStats
+from horovod_sparse.tensorflow.functions import (
+    reset_residuals,
+    residual_variables,
+    sparse_allreduce,
+    stats,
+)
+from horovod_sparse.tensorflow.tape import DistributedGradientTape
+
+__all__ = [
+    "DistributedGradientTape",
+    "StepStats",
+    "reset_residuals",
+    "residual_variables",
+    "sparse_allreduce",
+    "stats",
+]

@@ -10,6 +10,7 @@ collective's need for a host-side size:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +61,16 @@ class TorchBackend:
     def scale(self, tensor: torch.Tensor, factor: float) -> torch.Tensor:
         return tensor.mul_(factor)
 
-    def to_host_int(self, scalar: torch.Tensor | int) -> int:
-        return int(scalar)
+    def to_host_number(self, scalar: torch.Tensor | float) -> float:
+        return scalar.item() if isinstance(scalar, torch.Tensor) else scalar
+
+    def sum_except(self, counts: list[int], rank: int) -> int:
+        return sum(counts) - counts[rank]
+
+    def clock(self, *after: torch.Tensor) -> float:
+        # Host time. On CUDA this is launch time unless a stage synchronised anyway
+        # (the selection does, for the alltoall splits); no sync is added for timing.
+        return time.perf_counter()
 
     # ---- selection
     def topk_indices(self, values: torch.Tensor, k: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.common.config import SparseConfig, reduction_scales
 from horovod_sparse.common.pipeline import BucketReducer, GatherInFlight, ScatterInFlight
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.torch.backend import TorchBackend
@@ -32,22 +32,9 @@ _REDUCERS: dict[tuple[str, int], BucketReducer] = {}
 _LAST_NAME: list[tuple[str, int]] = []
 
 
-def scale_factors(
-    op: Any, world_size: int, prescale: float, postscale: float
-) -> tuple[float, float]:
-    """Pre- and post-scale applied around the sum for Horovod's ``op``.
-
-    Raises:
-        ValueError: for ops other than Average and Sum (Adasum, Min, Max, Product).
-    """
-    if op == hvd.Average:
-        return prescale, postscale / world_size
-    if op == hvd.Sum:
-        return prescale, postscale
-    raise ValueError(
-        f"sparse allreduce supports op=hvd.Average and op=hvd.Sum, got {op!r}; "
-        "use horovod.torch.allreduce for other reductions"
-    )
+def op_name(op: Any) -> str:
+    """Horovod's reduce-op constant as the name :mod:`horovod_sparse.common` uses."""
+    return {hvd.Average: "average", hvd.Sum: "sum"}.get(op, repr(op))
 
 
 @dataclass
@@ -117,7 +104,9 @@ def sparse_allreduce_async(
     config = SparseConfig(density=density)
     if not process_set.included():
         raise ValueError(f"sparse_allreduce({name!r}): this rank is not in the process set")
-    prescale, postscale = scale_factors(op, process_set.size(), prescale_factor, postscale_factor)
+    prescale, postscale = reduction_scales(
+        op_name(op), process_set.size(), prescale_factor, postscale_factor
+    )
     flat = tensor.detach().reshape(-1)
     key = (name, id(process_set))
     reducer = _REDUCERS.get(key)

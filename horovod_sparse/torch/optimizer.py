@@ -20,7 +20,7 @@ import horovod.torch as hvd
 import torch
 
 from horovod_sparse.common.buckets import Bucket, plan_buckets
-from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.common.config import SparseConfig, optimizer_scales
 from horovod_sparse.common.pipeline import (
     BucketReducer,
     DenseBucketReducer,
@@ -28,7 +28,7 @@ from horovod_sparse.common.pipeline import (
     ScatterInFlight,
 )
 from horovod_sparse.common.stats import StepStats
-from horovod_sparse.torch.functions import BACKEND, scale_factors
+from horovod_sparse.torch.functions import BACKEND, op_name
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
 
@@ -118,18 +118,11 @@ class SparseOptimizerMixin:
             raise ValueError(
                 f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
             )
-        if gradient_predivide_factor != 1.0 and op != hvd.Average:
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
         if not process_set.included():
             raise ValueError("this rank is not in the optimizer's process_set")
-        world_size = process_set.size()
-        if op == hvd.Average:
-            # Horovod splits the average: 1/f before the sum, f/P after it.
-            self._prescale, self._postscale = scale_factors(
-                op, world_size, 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-            )
-        else:
-            self._prescale, self._postscale = scale_factors(op, world_size, 1.0, 1.0)
+        self._prescale, self._postscale = optimizer_scales(
+            op_name(op), process_set.size(), self.gradient_predivide_factor
+        )
 
         named = self._name_parameters(named_parameters)
         self._param_names = {p: n for n, p in named}

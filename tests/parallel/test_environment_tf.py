@@ -16,7 +16,7 @@ def test_alltoall_with_splits_returns_received_splits():
     rows = tf.fill([int(tf.reduce_sum(splits)), 2], float(rank))
     out, received = hvd.alltoall(rows, splits=splits, name="tfenv.alltoall")
     assert received.numpy().tolist() == [rank + 1] * size
-    expected = tf.concat([tf.fill([r + 1, 2], float(r)) for r in range(size)], axis=0)
+    expected = tf.concat([tf.fill([rank + 1, 2], float(r)) for r in range(size)], axis=0)
     assert bool(tf.reduce_all(out == expected))
 
 

@@ -80,7 +80,7 @@ def test_stats_count_bytes():
     numel, size = 1_000_000, hvd.size()  # the fixed 8 KiB of histograms is 0.1% here
     hvds.sparse_allreduce(local_grad(0, numel), density=0.01, name="st")
     s = hvds.stats("st")
-    assert s.dense_bytes == 4 * numel * (size - 1) // size * 4
+    assert abs(s.dense_bytes - 4 * numel * (size - 1) / size * 4) <= 2  # integer rounding
     assert s.selected == budget(numel, 0.01) and abs(s.density - 0.01) < 1e-9
     # rows of 8 bytes: alltoall ~ k(P-1)/P each way, allgather ~ k(P-1)/P each way.
     assert 0 < s.bytes_sent + s.bytes_received < 0.03 * s.dense_bytes

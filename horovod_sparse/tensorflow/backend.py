@@ -1,0 +1,195 @@
+"""TensorFlow implementation of the tensor primitives in ``horovod_sparse.common.backend``.
+
+Every primitive is a TF op, so the common stages run eagerly and inside ``tf.function``
+alike. Horovod's TF ops have no handles: "async" primitives return the op's output,
+and independent ops in one graph run concurrently. Alltoall ``splits`` stay tensors
+(Horovod's TF op takes them as a tensor input), so no step reads device data on the
+host.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+__all__ = ["TFBackend"]
+
+_HISTOGRAM_BINS = 256
+
+
+class TFBackend:
+    """Stateless; one shared instance serves every bucket."""
+
+    # ---- process set
+    def rank(self, process_set: Any) -> int:
+        return process_set.rank()
+
+    def size(self, process_set: Any) -> int:
+        return process_set.size()
+
+    # ---- dense arithmetic
+    def zeros(self, numel: int, like: tf.Tensor) -> tf.Tensor:
+        return tf.zeros([numel], dtype=like.dtype)
+
+    def num_rows(self, tensor: tf.Tensor) -> tf.Tensor:
+        return tf.shape(tensor, out_type=tf.int64)[0]
+
+    def itemsize(self, tensor: tf.Tensor) -> int:
+        return tensor.dtype.size
+
+    def add_scaled_(self, buffer: tf.Tensor, tensor: tf.Tensor, factor: float) -> tf.Tensor:
+        flat = tf.cast(tf.reshape(tensor, [-1]), buffer.dtype)
+        return buffer + (flat if factor == 1.0 else flat * factor)
+
+    def copy(self, tensor: tf.Tensor) -> tf.Tensor:
+        return tf.identity(tensor)
+
+    def scale(self, tensor: tf.Tensor, factor: float) -> tf.Tensor:
+        return tensor * tf.cast(factor, tensor.dtype)
+
+    def to_host_number(self, scalar: Any) -> float:
+        return scalar.numpy().item() if tf.is_tensor(scalar) else scalar
+
+    def sum_except(self, counts: tf.Tensor, rank: int) -> tf.Tensor:
+        counts = tf.cast(counts, tf.int64)
+        return tf.reduce_sum(counts) - counts[rank]
+
+    def clock(self, *after: tf.Tensor) -> Any:
+        if tf.executing_eagerly():
+            return time.perf_counter()
+        # In a graph, a timestamp ordered after the tensors it measures.
+        with tf.control_dependencies([a for a in after if tf.is_tensor(a)]):
+            return tf.timestamp()
+
+    # ---- selection
+    def topk_indices(self, values: tf.Tensor, k: int) -> tf.Tensor:
+        numel = values.shape[0]
+        if numel is not None and k >= numel:
+            return tf.range(numel, dtype=tf.int64)
+        indices = tf.math.top_k(tf.abs(values), k=k, sorted=False).indices
+        return tf.sort(tf.cast(indices, tf.int64))
+
+    def take(self, values: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
+        return tf.gather(values, indices)
+
+    def zero_at(self, buffer: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
+        zeros = tf.zeros(tf.shape(indices), dtype=buffer.dtype)
+        return tf.tensor_scatter_nd_update(buffer, indices[:, None], zeros)
+
+    def add_at(self, buffer: tf.Tensor, indices: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
+        return tf.tensor_scatter_nd_add(buffer, indices[:, None], tf.cast(values, buffer.dtype))
+
+    def shift(self, indices: tf.Tensor, offset: int) -> tf.Tensor:
+        return indices + tf.constant(offset, dtype=tf.int64)
+
+    # ---- partition and packing
+    def region_counts(self, sorted_indices: tf.Tensor, boundaries: list[int]) -> tf.Tensor:
+        edges = tf.constant(boundaries, dtype=tf.int64)
+        positions = tf.searchsorted(sorted_indices, edges, side="left", out_type=tf.int32)
+        return positions[1:] - positions[:-1]
+
+    def region_offsets(self, sorted_indices: tf.Tensor, boundaries: list[int]) -> tf.Tensor:
+        if len(boundaries) == 2:
+            return tf.zeros_like(sorted_indices)
+        edges = tf.constant(boundaries, dtype=tf.int64)
+        region = tf.searchsorted(edges[1:-1], sorted_indices, side="right")
+        return tf.gather(edges, region)
+
+    def pack_rows(self, indices: tf.Tensor, offset: Any, values: tf.Tensor) -> tf.Tensor:
+        local = tf.cast(indices - offset, tf.int32)
+        index_bytes = tf.reshape(tf.bitcast(local, tf.uint8), [-1, 4])
+        value_bytes = tf.reshape(tf.bitcast(values, tf.uint8), [-1, values.dtype.size])
+        return tf.concat([index_bytes, value_bytes], axis=1)
+
+    def unpack_rows(self, rows: tf.Tensor, wire_like: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        size = wire_like.dtype.size
+        rows = tf.reshape(rows, [-1, 4 + size])  # static row width for bitcast
+        indices = tf.cast(tf.bitcast(rows[:, :4], tf.int32), tf.int64)
+        values = tf.bitcast(rows[:, 4:], wire_like.dtype)
+        return indices, tf.reshape(values, [-1])
+
+    def unique(self, indices: tf.Tensor) -> tf.Tensor:
+        return tf.sort(tf.unique(indices).y)
+
+    # ---- value compression (Horovod's Compression classes)
+    def compress(self, values: tf.Tensor, compression: Any) -> tuple[tf.Tensor, Any, Any]:
+        if compression is None or compression is hvd.Compression.none:
+            return values, None, None
+        wire, ctx = compression.compress(values)
+        if wire.dtype == values.dtype:
+            return wire, (compression, ctx), None
+        return wire, (compression, ctx), values - compression.decompress(wire, ctx)
+
+    def decompress(self, wire: tf.Tensor, ctx: Any) -> tf.Tensor:
+        if ctx is None:
+            return wire
+        compression, inner = ctx
+        return compression.decompress(wire, inner)
+
+    # ---- global selection (radix select over fp32 magnitude bits)
+    def magnitude_keys(self, values: tf.Tensor) -> tf.Tensor:
+        return tf.bitcast(tf.cast(tf.abs(values), tf.float32), tf.int32)
+
+    def radix_start(self, like: tf.Tensor, k: int) -> tuple[tf.Tensor, tf.Tensor]:
+        return tf.zeros([], tf.int32), tf.constant(k, tf.int64)
+
+    def digit_histogram(self, keys: tf.Tensor, prefix: tf.Tensor, shift: int) -> tf.Tensor:
+        digit = tf.bitwise.bitwise_and(tf.bitwise.right_shift(keys, shift), _HISTOGRAM_BINS - 1)
+        if shift + 8 < 32:
+            high = shift + 8
+            active = tf.equal(
+                tf.bitwise.right_shift(keys, high), tf.bitwise.right_shift(prefix, high)
+            )
+            digit = tf.where(active, digit, _HISTOGRAM_BINS)  # bin 256: not in the running
+        counts = tf.math.unsorted_segment_sum(tf.ones_like(digit), digit, _HISTOGRAM_BINS + 1)
+        return counts[:_HISTOGRAM_BINS]
+
+    def choose_digit(
+        self, histogram: tf.Tensor, remaining: tf.Tensor, prefix: tf.Tensor, shift: int
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        counts = tf.cast(histogram, tf.int64)
+        at_least = tf.reverse(tf.cumsum(tf.reverse(counts, [0])), [0])  # #digits >= d
+        digit = tf.maximum(tf.reduce_sum(tf.cast(at_least >= remaining, tf.int64)) - 1, 0)
+        greater = tf.gather(at_least, digit) - tf.gather(counts, digit)
+        new_prefix = tf.bitwise.bitwise_or(
+            prefix, tf.bitwise.left_shift(tf.cast(digit, tf.int32), shift)
+        )
+        return new_prefix, remaining - greater
+
+    def mask_at_least(self, keys: tf.Tensor, threshold: tf.Tensor) -> tf.Tensor:
+        return keys >= threshold
+
+    def split_by_mask(
+        self, mask: tf.Tensor, *tensors: tf.Tensor
+    ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+        drop = tf.logical_not(mask)
+        return [tf.boolean_mask(t, mask) for t in tensors], [
+            tf.boolean_mask(t, drop) for t in tensors
+        ]
+
+    def count_in_range(self, indices: tf.Tensor, lo: int, hi: int) -> tf.Tensor:
+        inside = tf.logical_and(indices >= lo, indices < hi)
+        return tf.reduce_sum(tf.cast(inside, tf.int64))
+
+    def scatter_into(
+        self, numel: int, like: tf.Tensor, indices: tf.Tensor, values: tf.Tensor
+    ) -> tf.Tensor:
+        return tf.scatter_nd(indices[:, None], tf.cast(values, like.dtype), [numel])
+
+    # ---- collectives: Horovod TF ops; the op's output stands in for the handle
+    def alltoall_async(
+        self, rows: tf.Tensor, splits: tf.Tensor, name: str, process_set: Any
+    ) -> Any:
+        return hvd.alltoall(rows, splits=splits, name=name, process_set=process_set)
+
+    def allgather_async(self, rows: tf.Tensor, name: str, process_set: Any) -> Any:
+        return hvd.allgather(rows, name=name, process_set=process_set)
+
+    def allreduce_sum_async(self, tensor: tf.Tensor, name: str, process_set: Any) -> Any:
+        return hvd.allreduce(tensor, op=hvd.Sum, name=name, process_set=process_set)
+
+    def wait(self, handle: Any) -> Any:
+        return handle

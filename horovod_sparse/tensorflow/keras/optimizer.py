@@ -1,0 +1,216 @@
+"""Keras 3 optimizer wrapper: sparse allreduce inside ``model.fit`` and custom loops.
+
+Horovod's ``horovod.tensorflow.keras`` does not support Keras 3; this does. The
+reduction runs in the optimizer's update step, so it happens once per *update*: with
+``backward_passes_per_step = n`` the wrapper uses Keras's own
+``gradient_accumulation_steps = n`` and reduces the accumulated gradient every n-th
+step. Keras's ``clipnorm`` / ``global_clipnorm`` / ``clipvalue`` apply to the reduced
+gradient, as clipping does with dense Horovod.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import horovod.tensorflow as hvd
+import keras
+import tensorflow as tf
+
+from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.common.stats import StepStats
+from horovod_sparse.tensorflow.reducer import GradientReducer
+
+__all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
+
+_SPARSE_KEYS = (
+    "density",
+    "min_sparse_numel",
+    "fusion_threshold_bytes",
+    "sparse_as_dense",
+    "gradient_predivide_factor",
+    "average_aggregated_gradients",
+)
+
+
+class SparseOptimizerMixin:
+    """Put in front of a Keras 3 optimizer class to reduce gradients sparsely.
+
+    Example:
+        >>> class SparseAdam(SparseOptimizerMixin, keras.optimizers.Adam):
+        ...     pass
+        >>> opt = SparseAdam(learning_rate=1e-3, density=0.01)
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        density: float = 0.01,
+        min_sparse_numel: int = 1024,
+        fusion_threshold_bytes: int | None = None,
+        compression: Any = hvd.Compression.none,
+        sparse_as_dense: bool = False,
+        gradient_predivide_factor: float = 1.0,
+        op: Any = hvd.Average,
+        backward_passes_per_step: int = 1,
+        average_aggregated_gradients: bool = False,
+        num_groups: int = 0,
+        groups: Any = None,
+        process_set: Any = hvd.global_process_set,
+        **kwargs: Any,
+    ) -> None:
+        if int(backward_passes_per_step) < 1:
+            raise ValueError(
+                f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
+            )
+        if backward_passes_per_step > 1:
+            kwargs["gradient_accumulation_steps"] = int(backward_passes_per_step)
+        super().__init__(*args, **kwargs)
+        self.sparse_config = SparseConfig(
+            density=density,
+            min_sparse_numel=min_sparse_numel,
+            fusion_threshold_bytes=fusion_threshold_bytes,
+        )
+        self._sparse_options = dict(
+            op=op,
+            gradient_predivide_factor=gradient_predivide_factor,
+            compression=compression,
+            sparse_as_dense=sparse_as_dense,
+            process_set=process_set,
+            groups=groups,
+            num_groups=num_groups,
+        )
+        # Keras averages accumulated gradients; Horovod sums them unless asked to average.
+        self._aggregation_scale = (
+            1.0 if average_aggregated_gradients else float(max(1, int(backward_passes_per_step)))
+        )
+        self._sparse_kwargs = dict(
+            density=density,
+            min_sparse_numel=min_sparse_numel,
+            fusion_threshold_bytes=fusion_threshold_bytes,
+            sparse_as_dense=sparse_as_dense,
+            gradient_predivide_factor=gradient_predivide_factor,
+            average_aggregated_gradients=average_aggregated_gradients,
+        )
+        self._gradient_reducer: GradientReducer | None = None
+
+    def build(self, variables: list[Any]) -> None:
+        super().build(variables)
+
+        def make_residual(numel: int, dtype: tf.DType, name: str) -> Any:
+            # Optimizer variables: saved and restored with the model's checkpoint.
+            return self.add_variable((numel,), dtype=dtype.name, name=f"sparse_residual_{name}")
+
+        self._gradient_reducer = GradientReducer(
+            list(variables),
+            self.sparse_config,
+            name=f"hvds.keras.{self.name}",
+            make_residual=make_residual,
+            **self._sparse_options,
+        )
+
+    def _clip_gradients(self, grads: list[Any]) -> list[Any]:
+        # Clipping moves after the reduction (see _backend_update_step).
+        return grads
+
+    def _backend_update_step(
+        self, grads: list[Any], trainable_variables: list[Any], learning_rate: Any
+    ) -> None:
+        reducer = self._gradient_reducer
+        assert reducer is not None, "optimizer used before build()"
+        # Keras may have dropped variables without gradients: reduce the full list in
+        # the build order, zeros where a gradient is missing, so every rank matches.
+        by_index = {self._get_variable_index(v): g for g, v in zip(grads, trainable_variables)}
+        full = [by_index.get(i) for i in range(len(self._trainable_variables))]
+        if self._aggregation_scale != 1.0:
+            full = [None if g is None else g * self._aggregation_scale for g in full]
+        reduced = reducer.reduce(full, self._trainable_variables)
+        grads = [reduced[self._get_variable_index(v)] for v in trainable_variables]
+        grads = super()._clip_gradients(grads)
+        super()._backend_update_step(grads, trainable_variables, learning_rate)
+
+    def stats(self) -> StepStats:
+        """Statistics of the last update step (call eagerly)."""
+        if self._gradient_reducer is None:
+            raise RuntimeError("the optimizer has not been built yet")
+        return self._gradient_reducer.stats()
+
+    def residual_variables(self) -> dict[str, Any]:
+        """Residual variable per sparse bucket (also part of ``optimizer.variables``)."""
+        if self._gradient_reducer is None:
+            raise RuntimeError("the optimizer has not been built yet")
+        return self._gradient_reducer.residuals()
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update(self._sparse_kwargs)
+        return config
+
+
+_COMBINED: dict[type, type] = {}
+
+
+def _sparse_class(base: type) -> type:
+    """``SparseOptimizerMixin`` combined with ``base`` (cached, importable by name)."""
+    if base not in _COMBINED:
+        name = f"Sparse{base.__name__}"
+        cls = type(
+            name, (SparseOptimizerMixin, base), {"__module__": __name__, "__qualname__": name}
+        )
+        _COMBINED[base] = keras.saving.register_keras_serializable(package="horovod_sparse")(cls)
+        globals().setdefault(name, cls)
+    return _COMBINED[base]
+
+
+def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
+    optimizer: keras.optimizers.Optimizer,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = hvd.Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: Any = hvd.Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: Any = hvd.global_process_set,
+    scale_local_gradients: bool = True,
+    *,
+    density: float = 0.01,
+    min_sparse_numel: int = 1024,
+    fusion_threshold_bytes: int | None = None,
+) -> keras.optimizers.Optimizer:
+    """Wrap a Keras 3 optimizer so every update uses sparse allreduce.
+
+    Accepts the arguments of Horovod's Keras ``DistributedOptimizer``
+    (``device_dense``, ``device_sparse`` and ``scale_local_gradients`` are accepted for
+    compatibility and have no effect). Wrap before the first step: the new optimizer is
+    built from ``optimizer.get_config()``, so slot variables start fresh.
+
+    Example:
+        >>> opt = DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9), density=0.01)
+        >>> model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+        >>> model.fit(x, y)
+    """
+    if optimizer.built:
+        raise ValueError("wrap the optimizer before it is built (before the first training step)")
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    cls = _sparse_class(type(optimizer))
+    return cls(
+        **config,
+        density=density,
+        min_sparse_numel=min_sparse_numel,
+        fusion_threshold_bytes=fusion_threshold_bytes,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor,
+        op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients,
+        num_groups=num_groups,
+        groups=groups,
+        process_set=process_set,
+    )

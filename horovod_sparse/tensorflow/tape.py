@@ -1,0 +1,123 @@
+"""Drop-in replacement for ``horovod.tensorflow.DistributedGradientTape``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.common.stats import StepStats
+from horovod_sparse.tensorflow.reducer import GradientReducer
+
+__all__ = ["DistributedGradientTape"]
+
+# Reducers (and so residuals) outlive the tape: a new tape is usually made every step.
+_REDUCERS: dict[tuple[Any, ...], GradientReducer] = {}
+
+
+class DistributedGradientTape(tf.GradientTape):
+    """A ``tf.GradientTape`` whose ``gradient()`` returns sparse-allreduced gradients.
+
+    Accepts every argument of ``hvd.DistributedGradientTape`` with the same meaning
+    (``device_dense``/``device_sparse`` are accepted for compatibility; placement follows
+    the gradients), plus ``density``, ``min_sparse_numel`` and ``fusion_threshold_bytes``.
+    Residuals are ``tf.Variable``s that persist across tapes, keyed by ``name`` and the
+    list of sources; :meth:`residual_variables` returns them for a checkpoint.
+
+    Example:
+        >>> with tf.GradientTape() as tape:
+        ...     loss = loss_fn(model(x), y)
+        >>> tape = DistributedGradientTape(tape, density=0.01)
+        >>> grads = tape.gradient(loss, model.trainable_variables)
+    """
+
+    def __init__(
+        self,
+        gradtape: tf.GradientTape,
+        device_dense: str = "",
+        device_sparse: str = "",
+        compression: Any = hvd.Compression.none,
+        sparse_as_dense: bool = False,
+        op: Any = hvd.Average,
+        gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups: Any = None,
+        process_set: Any = hvd.global_process_set,
+        *,
+        density: float = 0.01,
+        min_sparse_numel: int = 1024,
+        fusion_threshold_bytes: int | None = None,
+        name: str = "tape",
+    ) -> None:
+        super().__init__(
+            persistent=gradtape._persistent,
+            watch_accessed_variables=gradtape._watch_accessed_variables,
+        )
+        # Adopt what the user's tape recorded.
+        self._tape = gradtape._tape
+        self._recording = gradtape._recording
+        self._watched_variables = gradtape._watched_variables
+        self._config = SparseConfig(
+            density=density,
+            min_sparse_numel=min_sparse_numel,
+            fusion_threshold_bytes=fusion_threshold_bytes,
+        )
+        self._options = dict(
+            op=op,
+            gradient_predivide_factor=gradient_predivide_factor,
+            compression=compression,
+            sparse_as_dense=sparse_as_dense,
+            process_set=process_set,
+            groups=groups,
+            num_groups=num_groups,
+        )
+        self._name = name
+        self._local_sources: set[int] = set()  # ids: Keras 3 variables have no ref()
+        self._reducer: GradientReducer | None = None
+
+    def register_local_source(self, source: tf.Variable) -> None:
+        """Keep ``source``'s gradient local: it is returned without any reduction."""
+        self._local_sources.add(id(source))
+
+    def gradient(
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        unconnected_gradients: Any = tf.UnconnectedGradients.NONE,
+    ) -> Any:
+        grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads, expand_composites=False)
+        shared = [i for i, s in enumerate(flat_sources) if id(s) not in self._local_sources]
+        reducer = self._reducer_for([flat_sources[i] for i in shared])
+        reduced = reducer.reduce([flat_grads[i] for i in shared], [flat_sources[i] for i in shared])
+        out = list(flat_grads)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        return tf.nest.pack_sequence_as(grads, out) if tf.nest.is_nested(grads) else out[0]
+
+    def _reducer_for(self, sources: list[Any]) -> GradientReducer:
+        signature = tuple((tuple(s.shape), tf.as_dtype(s.dtype).name) for s in sources)
+        key = (self._name, signature, self._config, id(self._options["process_set"]))
+        if key not in _REDUCERS:
+            with tf.init_scope():
+                _REDUCERS[key] = GradientReducer(
+                    sources, self._config, name=f"hvds.{self._name}", **self._options
+                )
+        self._reducer = _REDUCERS[key]
+        return self._reducer
+
+    def stats(self) -> StepStats:
+        """Statistics of the last ``gradient()`` call (call eagerly)."""
+        if self._reducer is None:
+            raise RuntimeError("gradient() has not been called on this tape")
+        return self._reducer.stats()
+
+    def residual_variables(self) -> dict[str, tf.Variable]:
+        """Residual variable per sparse bucket, for ``tf.train.Checkpoint``."""
+        if self._reducer is None:
+            raise RuntimeError("gradient() has not been called on this tape")
+        return self._reducer.residuals()

@@ -1,0 +1,282 @@
+"""horovod_sparse.tensorflow against Horovod's dense TF ops and the shared NumPy reference."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import horovod_sparse.tensorflow as hvds
+import horovod_sparse.tensorflow.keras as hvds_keras
+from horovod_sparse.common.config import budget
+from tests.reference import reference_step, uniform_boundaries
+
+hvd.init()
+tf.config.threading.set_inter_op_parallelism_threads(2)
+
+
+def local_grad(step: int, numel: int) -> tf.Tensor:
+    rng = np.random.default_rng(1000 * step + hvd.rank())
+    return tf.constant(rng.standard_normal(numel).astype(np.float32))
+
+
+def gather_rows(flat: tf.Tensor, name: str) -> list[np.ndarray]:
+    return list(hvd.allgather(tf.reshape(flat, [1, -1]), name=name).numpy())
+
+
+@pytest.mark.parametrize("op", [hvd.Average, hvd.Sum], ids=["average", "sum"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_density_one_matches_dense_allreduce(op, graph):
+    hvds.reset_residuals()
+
+    def reduce(x):
+        return hvds.sparse_allreduce(x, density=1.0, name="d1", op=op)
+
+    fn = tf.function(reduce) if graph else reduce
+    for step in range(3):
+        grad = tf.reshape(local_grad(step, 4000), [40, 100])
+        sparse = fn(grad)
+        dense = hvd.allreduce(grad, op=op, name=f"d1.dense.{step}.{graph}")
+        rel = float(tf.norm(sparse - dense) / tf.norm(dense))
+        assert rel < 1e-6, rel
+        assert sparse.shape == grad.shape
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_matches_single_process_reference(graph):
+    hvds.reset_residuals()
+    numel, density = 20_000, 0.02
+    k = budget(numel, density)
+
+    def reduce(x):
+        return hvds.sparse_allreduce(x, density=density, name="ref", op=hvd.Sum)
+
+    fn = tf.function(reduce) if graph else reduce
+    before = np.zeros(numel, np.float32)
+    for step in range(4):
+        grad = local_grad(step, numel)
+        accumulators = gather_rows(before + grad.numpy(), f"ref.acc.{step}.{graph}")
+        got = fn(grad).numpy()
+        expected = reference_step(accumulators, k, uniform_boundaries(numel, hvd.size()))
+        np.testing.assert_array_equal(np.flatnonzero(got), expected.selected)
+        np.testing.assert_allclose(got, expected.result_sum, rtol=1e-6, atol=1e-6)
+        after = hvds.residual_variables()["ref"].numpy()
+        np.testing.assert_allclose(after, expected.residuals[hvd.rank()], rtol=1e-6, atol=1e-6)
+        before = after.copy()
+
+
+def test_residual_invariant_50_steps():
+    hvds.reset_residuals()
+    numel, size = 30_000, hvd.size()
+
+    @tf.function
+    def reduce(x):
+        return hvds.sparse_allreduce(x, density=0.01, name="inv", op=hvd.Average)
+
+    before = np.zeros(numel, np.float64)
+    for step in range(50):
+        grad = local_grad(step, numel) * (1.0 + step / 10)
+        out = reduce(grad)
+        after = hvds.residual_variables()["inv"]
+        lhs = hvd.allreduce(tf.cast(after, tf.float64), op=hvd.Sum, name=f"inv.l.{step}")
+        lhs += size * tf.cast(out, tf.float64)
+        rhs = hvd.allreduce(
+            tf.constant(before) + tf.cast(grad, tf.float64), op=hvd.Sum, name=f"inv.r.{step}"
+        )
+        np.testing.assert_allclose(lhs.numpy(), rhs.numpy(), rtol=0, atol=1e-4)
+        assert int(tf.math.count_nonzero(out)) == budget(numel, 0.01)
+        before = after.numpy().astype(np.float64)
+    s = hvds.stats("inv")
+    assert s.selected == budget(numel, 0.01)
+    assert abs(s.dense_bytes - 4 * numel * (size - 1) / size * 4) <= 2
+    # 2% of dense for the rows, plus the fixed 4 x 1 KiB histogram allreduces each way.
+    assert 0 < s.bytes_sent + s.bytes_received < 0.03 * s.dense_bytes + 8 * 1024
+
+
+def make_model(seed=3):
+    keras.utils.set_random_seed(seed)  # identical initial weights on every rank
+    return keras.Sequential(
+        [
+            keras.Input((20,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(5),
+        ]
+    )
+
+
+def data(step, n=32):
+    rng = np.random.default_rng(7919 * step + 31 * hvd.rank())
+    return rng.standard_normal((n, 20)).astype(np.float32), rng.integers(0, 5, n)
+
+
+def loss_fn(y, logits):
+    return tf.reduce_mean(
+        tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+    )
+
+
+def test_gradient_tape_density_one_matches_horovod_tape():
+    model = make_model()
+    x, y = data(0)
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x))
+    with tf.GradientTape() as tape2:
+        loss2 = loss_fn(y, model(x))
+    # Horovod's own tape calls .ref(), which Keras 3 variables lack: pass the tf.Variables.
+    variables = [v.value for v in model.trainable_variables]
+    sparse = hvds.DistributedGradientTape(tape, density=1.0, name="t1").gradient(loss, variables)
+    dense = hvd.DistributedGradientTape(tape2).gradient(loss2, variables)
+    for a, b in zip(sparse, dense):
+        assert float(tf.norm(a - b) / tf.norm(b)) < 1e-6
+
+
+def test_gradient_tape_matches_reference_and_keeps_local_sources():
+    keras.utils.set_random_seed(5)
+    layer = keras.layers.Dense(200, use_bias=False)
+    layer.build((None, 100))
+    local = tf.Variable(tf.ones([3]))
+    numel, density = 20_000, 0.05
+    before = np.zeros(numel, np.float32)
+    for step in range(3):
+        rng = np.random.default_rng(17 * step + hvd.rank())
+        x = rng.standard_normal((8, 100)).astype(np.float32)
+        c = rng.standard_normal((8, 200)).astype(np.float32)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x) * c) + tf.reduce_sum(local * float(hvd.rank() + 1))
+        kernel_grad = (x.T @ c).reshape(-1)  # d loss / d kernel, this rank
+        accumulators = gather_rows(before + kernel_grad, f"t2.acc.{step}")
+        dtape = hvds.DistributedGradientTape(tape, density=density, op=hvd.Sum, name="t2")
+        dtape.register_local_source(local)
+        g_kernel, g_local = dtape.gradient(loss, [layer.kernel, local])
+        np.testing.assert_array_equal(g_local.numpy(), np.full(3, hvd.rank() + 1, np.float32))
+        expected = reference_step(
+            accumulators, budget(numel, density), uniform_boundaries(numel, hvd.size())
+        )
+        got = g_kernel.numpy().reshape(-1)
+        np.testing.assert_array_equal(np.flatnonzero(got), expected.selected)
+        np.testing.assert_allclose(got, expected.result_sum, rtol=1e-5, atol=1e-5)
+        (residual,) = dtape.residual_variables().values()
+        np.testing.assert_allclose(
+            residual.numpy(), expected.residuals[hvd.rank()], rtol=1e-5, atol=1e-5
+        )
+        before = residual.numpy().copy()
+    assert dtape.stats().selected == budget(numel, density)
+
+
+def test_tape_inside_tf_function_parameters_identical():
+    model = make_model()
+    opt = keras.optimizers.SGD(0.05, momentum=0.9)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x))
+        tape = hvds.DistributedGradientTape(tape, density=0.05, name="t3")
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    for s in range(10):
+        step(*data(s))
+    assert_identical(model.trainable_variables, "t3")
+
+
+def assert_identical(variables, name):
+    flat = tf.concat([tf.reshape(v, [-1]) for v in variables], axis=0)
+    everyone = hvd.allgather(tf.reshape(flat, [1, -1]), name=f"ident.{name}").numpy()
+    for r in range(hvd.size()):
+        np.testing.assert_array_equal(everyone[r], flat.numpy(), err_msg=f"rank {r} differs")
+
+
+def test_keras_fit_30_steps_identical_on_every_rank():
+    model = make_model()
+    opt = hvds_keras.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), density=0.05)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.concatenate([data(s)[0] for s in range(30)])
+    y = np.concatenate([data(s)[1] for s in range(30)])
+    start = [v.numpy().copy() for v in model.trainable_variables]
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert int(opt.iterations) == 30
+    assert_identical(model.trainable_variables, "fit")
+    moved = sum(
+        float(np.abs(v.numpy() - s).sum()) for v, s in zip(model.trainable_variables, start)
+    )
+    assert moved > 0
+    s = opt.stats()
+    assert 0 < s.selected < s.numel
+    assert isinstance(opt, hvds_keras.SparseOptimizerMixin) and isinstance(
+        opt, keras.optimizers.SGD
+    )
+
+
+def test_keras_density_one_matches_dense_average():
+    """One custom-loop step at density 1: the update equals SGD on the rank-averaged gradient."""
+    model, ref = make_model(), make_model()
+    opt = hvds_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), density=1.0)
+    ref_opt = keras.optimizers.SGD(0.1)
+    x, y = data(4)
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x))
+    grads = tape.gradient(loss, model.trainable_variables)
+    averaged = [hvd.allreduce(g, name=f"kd.{i}") for i, g in enumerate(grads)]
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    ref_opt.apply_gradients(zip(averaged, ref.trainable_variables))
+    for a, b in zip(model.trainable_variables, ref.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_keras_backward_passes_per_step():
+    model, ref = make_model(), make_model()
+    opt = hvds_keras.DistributedOptimizer(
+        keras.optimizers.SGD(0.1), density=1.0, backward_passes_per_step=2
+    )
+    ref_opt = keras.optimizers.SGD(0.1)
+    summed = None
+    for s in range(2):
+        x, y = data(10 + s)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
+        before = [v.numpy().copy() for v in model.trainable_variables]
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if s == 0:  # no update on the first pass
+            for v, b in zip(model.trainable_variables, before):
+                np.testing.assert_array_equal(v.numpy(), b)
+    averaged = [hvd.allreduce(g, name=f"bpps.{i}") for i, g in enumerate(summed)]
+    ref_opt.apply_gradients(zip(averaged, ref.trainable_variables))
+    for a, b in zip(model.trainable_variables, ref.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_keras_residuals_in_checkpoint(tmp_path_factory):
+    model = make_model()
+    opt = hvds_keras.DistributedOptimizer(keras.optimizers.Adam(1e-3), density=0.05)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = data(20, n=128)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    residuals = opt.residual_variables()
+    assert residuals and all(any(r is v for v in opt.variables) for r in residuals.values())
+    saved = {k: v.numpy().copy() for k, v in residuals.items()}
+    assert any(np.abs(v).sum() > 0 for v in saved.values())
+    path = str(tmp_path_factory.mktemp(f"ckpt{hvd.rank()}") / "ckpt")
+    save_path = tf.train.Checkpoint(model=model, optimizer=opt).save(path)
+    for v in residuals.values():
+        v.assign(tf.zeros_like(v))
+    tf.train.Checkpoint(model=model, optimizer=opt).restore(save_path)
+    for k, v in opt.residual_variables().items():
+        np.testing.assert_array_equal(v.numpy(), saved[k])
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="density"):
+        hvds.sparse_allreduce(tf.ones([10]), density=1.5, name="bad")
+    with pytest.raises(TypeError, match="floating"):
+        hvds.sparse_allreduce(tf.ones([10], tf.int32), name="bad")
+    with pytest.raises(ValueError, match="op="):
+        hvds.sparse_allreduce(tf.ones([10]), name="bad", op=hvd.Adasum)
