@@ -2,10 +2,8 @@
 
 The stage modules of :mod:`horovod_sparse.common` are written once against this
 interface; ``horovod_sparse.torch`` and ``horovod_sparse.tensorflow`` implement it.
-"Host" values are Python ints; everything else stays a device tensor. The only
-primitives that read device data on the host are :meth:`Backend.region_counts` (Horovod
-wants alltoall ``splits`` on the CPU) and :meth:`Backend.num_rows` of a data-dependent
-selection (a collective needs its send size).
+Sizes, ranks and boundaries are host ints; everything else may stay a device tensor.
+A "scalar" is either a host number or a 0-d tensor (TF keeps them in the graph).
 """
 
 from __future__ import annotations
@@ -18,75 +16,95 @@ Tensor = Any  # a framework tensor: torch.Tensor or tf.Tensor
 
 
 class Backend(Protocol):
+    """Primitives used by the stages, grouped as in the adapters."""
+
     # ---- process set
     def rank(self, process_set: Any) -> int: ...
     def size(self, process_set: Any) -> int: ...
 
-    # ---- dense arithmetic
+    # ---- dense arithmetic and bookkeeping
     def zeros(self, numel: int, like: Tensor) -> Tensor: ...
-    def num_rows(self, tensor: Tensor) -> int: ...
-    def itemsize(self, tensor: Tensor) -> int: ...
+    def num_rows(self, tensor: Tensor) -> Any:
+        """First dimension (host int or scalar tensor)."""
 
-    # ---- stage kernels
+    def itemsize(self, tensor: Tensor) -> int: ...
+    def add_scaled_(self, buffer: Tensor, tensor: Tensor, factor: float) -> Tensor:
+        """``buffer + factor * tensor.flatten()``, in place where the framework allows."""
+
+    def copy(self, tensor: Tensor) -> Tensor: ...
+    def scale(self, tensor: Tensor, factor: float) -> Tensor: ...
+    def to_host_number(self, scalar: Any) -> float: ...
+    def sum_except(self, counts: Any, rank: int) -> Any:
+        """Sum of per-rank ``counts`` without entry ``rank``."""
+
+    def clock(self, *after: Tensor) -> Any:
+        """A timestamp taken after ``after`` are computed (seconds)."""
+
+    # ---- selection and residual updates
     def topk_indices(self, values: Tensor, k: int) -> Tensor:
         """Indices of the k largest ``|values|``, ascending, int64."""
 
     def take(self, values: Tensor, indices: Tensor) -> Tensor: ...
     def zero_at(self, buffer: Tensor, indices: Tensor) -> Tensor:
-        """``buffer[indices] = 0`` (in place where the framework allows); returns it."""
+        """``buffer[indices] = 0``; returns the updated buffer."""
 
     def add_at(self, buffer: Tensor, indices: Tensor, values: Tensor) -> Tensor:
-        """``buffer[indices] += values``, duplicates summed; returns it."""
+        """``buffer[indices] += values``, duplicates summed; returns the updated buffer."""
 
-    def region_counts(self, sorted_indices: Tensor, boundaries: list[int]) -> list[int]:
-        """How many of the ascending ``sorted_indices`` fall in each region (host ints)."""
+    def shift(self, indices: Tensor, offset: int) -> Tensor: ...
 
-    def pack_rows(self, indices: Tensor, offset: Tensor | int, values: Tensor) -> Tensor:
-        """Rows of int32 ``indices - offset`` and ``values`` bytes, as one uint8 tensor."""
-
-    def unpack_rows(self, rows: Tensor, value_dtype: Any) -> tuple[Tensor, Tensor]:
-        """Inverse of :meth:`pack_rows`: ``(int64 indices, values)``."""
+    # ---- partition and packing
+    def region_counts(self, sorted_indices: Tensor, boundaries: list[int]) -> Any:
+        """Entries of the ascending ``sorted_indices`` per region: the alltoall splits."""
 
     def region_offsets(self, sorted_indices: Tensor, boundaries: list[int]) -> Tensor:
         """Per index, the start of the region it falls in."""
 
-    def unique(self, indices: Tensor) -> Tensor: ...
+    def pack_rows(self, indices: Tensor, offset: Any, values: Tensor) -> Tensor:
+        """uint8 rows: int32 ``indices - offset`` bytes, then the value's bytes."""
+
+    def unpack_rows(self, rows: Tensor, wire_like: Tensor) -> tuple[Tensor, Tensor]:
+        """Inverse of :meth:`pack_rows`: ``(int64 indices, values in wire_like's dtype)``."""
+
+    def unique(self, indices: Tensor) -> Tensor:
+        """Distinct values, ascending."""
+
+    # ---- value compression (Horovod ``Compression`` classes)
+    def compress(self, values: Tensor, compression: Any) -> tuple[Tensor, Any, Any]:
+        """``(wire values, context, rounding lost or None)``."""
+
+    def decompress(self, wire: Tensor, ctx: Any) -> Tensor: ...
+
+    # ---- global selection (radix select over fp32 magnitude bits)
     def magnitude_keys(self, values: Tensor) -> Tensor:
         """int32 keys ordered like ``|values|`` (bits of the fp32 magnitude)."""
 
+    def radix_start(self, like: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Initial ``(prefix, remaining)`` scalars."""
+
     def digit_histogram(self, keys: Tensor, prefix: Tensor, shift: int) -> Tensor:
-        """int32[256] counts of digit ``(key >> shift) & 255`` among keys that agree
+        """int32[256]: counts of digit ``(key >> shift) & 255`` among keys that agree
         with ``prefix`` above bit ``shift + 8``."""
 
     def choose_digit(
         self, histogram: Tensor, remaining: Tensor, prefix: Tensor, shift: int
     ) -> tuple[Tensor, Tensor]:
-        """Largest digit d whose suffix count reaches ``remaining``; returns the new
+        """Largest digit d whose count of digits >= d reaches ``remaining``; returns
         ``(prefix | d << shift, remaining - count(digits > d))``."""
 
-    def radix_start(self, like: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """Initial ``(prefix, remaining)`` scalars on ``like``'s device."""
-
-    def mask_at_least(self, keys: Tensor, threshold: Tensor) -> Tensor:
-        """Boolean mask ``keys >= threshold``."""
-
+    def mask_at_least(self, keys: Tensor, threshold: Tensor) -> Tensor: ...
     def split_by_mask(self, mask: Tensor, *tensors: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """``([t[mask] ...], [t[~mask] ...])``."""
 
-    def count_in_range(self, indices: Tensor, lo: int, hi: int) -> Tensor:
-        """Device scalar: entries of ``indices`` in ``[lo, hi)``."""
+    def count_in_range(self, indices: Tensor, lo: int, hi: int) -> Any:
+        """Scalar: entries of ``indices`` in ``[lo, hi)``."""
 
     def scatter_into(self, numel: int, like: Tensor, indices: Tensor, values: Tensor) -> Tensor:
         """A new zero buffer with ``values`` written at the (distinct) ``indices``."""
 
-    def scale(self, tensor: Tensor, factor: float) -> Tensor: ...
-    def to_host_int(self, scalar: Tensor) -> int: ...
-
-    # ---- collectives (asynchronous: return a handle for :meth:`wait`)
-    def alltoall_async(
-        self, rows: Tensor, splits: list[int], name: str, process_set: Any
-    ) -> Any: ...
+    # ---- collectives (asynchronous where the framework allows; resolve with wait)
+    def alltoall_async(self, rows: Tensor, splits: Any, name: str, process_set: Any) -> Any: ...
     def allgather_async(self, rows: Tensor, name: str, process_set: Any) -> Any: ...
     def allreduce_sum_async(self, tensor: Tensor, name: str, process_set: Any) -> Any: ...
     def wait(self, handle: Any) -> Any:
-        """Result of a collective; for alltoall ``(rows, received splits as host ints)``."""
+        """Result of a collective; for alltoall ``(rows, received splits)``."""
