@@ -44,6 +44,23 @@ class Backend(Protocol):
     def topk_indices(self, values: Tensor, k: int) -> Tensor:
         """Indices of the k largest ``|values|``, ascending, int64."""
 
+    def strided_sample_abs(self, values: Tensor, size: int, offset: int) -> Tensor:
+        """``|values|`` at ``size`` evenly strided positions starting near ``offset``."""
+
+    def kth_largest(self, values: Tensor, k: int) -> Tensor:
+        """Scalar: the k-th largest of ``values``."""
+
+    def indices_at_least(self, values: Tensor, threshold: Tensor) -> Tensor:
+        """Ascending int64 indices where ``|values| >= threshold`` (one memory pass)."""
+
+    def top_of(self, values: Tensor, candidates: Tensor, k: int) -> Tensor:
+        """The k of ``candidates`` with the largest ``|values|``, ascending."""
+
+    def position_histogram(self, indices: Tensor, numel: int, bins: int) -> Tensor:
+        """int32[bins]: how many ``indices`` fall in each of ``bins`` equal bins of [0, n)."""
+
+    def to_host_list(self, tensor: Tensor) -> list: ...
+
     def take(self, values: Tensor, indices: Tensor) -> Tensor: ...
     def zero_at(self, buffer: Tensor, indices: Tensor) -> Tensor:
         """``buffer[indices] = 0``; returns the updated buffer."""

@@ -18,8 +18,8 @@ __all__ = [
 # Horovod's own default fusion buffer (HOROVOD_FUSION_THRESHOLD): 128 MiB.
 DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
 
-SELECTION_METHODS = ("exact",)
-PARTITION_METHODS = ("uniform",)
+SELECTION_METHODS = ("exact", "threshold")
+PARTITION_METHODS = ("uniform", "balanced")
 
 
 def fusion_threshold_bytes(override: int | None = None) -> int:
@@ -47,16 +47,28 @@ class SparseConfig:
         density: target fraction of entries exchanged per bucket, in (0, 1].
         min_sparse_numel: tensors with fewer elements go through dense ``hvd.allreduce``
             (a sparse exchange of a bias vector costs more latency than it saves bytes).
-        selection: local selection method (``"exact"``: top-k by magnitude).
-        partition: how the index space is cut into owner regions (``"uniform"``).
+        selection: local selection: ``"threshold"`` (a sampled threshold reused for
+            ``reestimate_steps`` steps, then the top k of the few entries above it) or
+            ``"exact"`` (``topk`` over the whole bucket).
+        partition: owner regions: ``"uniform"`` (equal length) or ``"balanced"`` (equal
+            expected rows, from the selected positions, every ``repartition_steps``).
         fusion_threshold_bytes: bucket capacity; ``None`` follows ``HOROVOD_FUSION_THRESHOLD``.
+        reestimate_steps: tau, steps between threshold estimates (sooner on drift).
+        repartition_steps: tau', steps between balanced-partition updates.
+        warmup_steps: first steps exchanged densely (residuals folded in).
+        density_decay_steps: after warm-up, steps over which the density decays
+            geometrically from 1 to ``density`` (as in DGC); 0 jumps straight to it.
     """
 
     density: float = 0.01
     min_sparse_numel: int = 1024
-    selection: str = "exact"
+    selection: str = "threshold"
     partition: str = "uniform"
     fusion_threshold_bytes: int | None = None
+    reestimate_steps: int = 10
+    repartition_steps: int = 50
+    warmup_steps: int = 0
+    density_decay_steps: int = 0
 
     def __post_init__(self) -> None:
         density = self.density
@@ -77,6 +89,12 @@ class SparseConfig:
             raise ValueError(
                 f"partition must be one of {PARTITION_METHODS}, got {self.partition!r}"
             )
+        for knob in ("reestimate_steps", "repartition_steps"):
+            if int(getattr(self, knob)) < 1:
+                raise ValueError(f"{knob} must be >= 1, got {getattr(self, knob)}")
+        for knob in ("warmup_steps", "density_decay_steps"):
+            if int(getattr(self, knob)) < 0:
+                raise ValueError(f"{knob} must be >= 0, got {getattr(self, knob)}")
         if self.fusion_threshold_bytes is not None and int(self.fusion_threshold_bytes) < 0:
             raise ValueError(
                 f"fusion_threshold_bytes must be >= 0, got {self.fusion_threshold_bytes}"
@@ -88,8 +106,18 @@ class SparseConfig:
         return fusion_threshold_bytes(self.fusion_threshold_bytes)
 
     def budget(self, numel: int) -> int:
-        """k for a bucket of ``numel`` elements."""
+        """k for a bucket of ``numel`` elements at the target density."""
         return budget(numel, self.density)
+
+    def density_at(self, step: int) -> float:
+        """Scheduled density of step ``step`` (0-based): 1 during warm-up, then a
+        geometric decay to ``density`` over ``density_decay_steps``, then ``density``."""
+        if step < self.warmup_steps:
+            return 1.0
+        decayed = step - self.warmup_steps
+        if decayed < self.density_decay_steps:
+            return float(self.density) ** ((decayed + 1) / self.density_decay_steps)
+        return float(self.density)
 
 
 def reduction_scales(

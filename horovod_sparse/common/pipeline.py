@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from horovod_sparse.common.backend import Backend, Tensor
-from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.common.config import SparseConfig, budget
 from horovod_sparse.common.exchange import (
     ReduceScatterSent,
     row_bytes,
@@ -70,7 +70,7 @@ class BucketReducer:
         compression: the adapter's value compression (Horovod ``Compression``), or None.
     """
 
-    NUM_COUNTS = 7  # len(step_counts())
+    NUM_COUNTS = 9  # len(step_counts())
 
     def __init__(
         self,
@@ -90,11 +90,12 @@ class BucketReducer:
         self.compression = compression
         self.rank = ops.rank(process_set)
         self.world_size = ops.size(process_set)
-        self.k = config.budget(numel)
-        self.selection = make_selection(config.selection)
-        self.partitioner = make_partitioner(config.partition)
+        self.selection = make_selection(config.selection, config.reestimate_steps)
+        self.partitioner = make_partitioner(config.partition, config.repartition_steps)
         self.boundaries = self.partitioner.boundaries(numel, self.world_size)
         self.residual = ops.zeros(numel, like)
+        self.step = 0  # steps started; drives the density schedule and the re-estimates
+        self.k = config.budget(numel)  # budget of the current step
         self._accounting: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- stage 1
@@ -108,8 +109,12 @@ class BucketReducer:
         """
         ops = self.ops
         began = ops.clock()
+        self.k = budget(self.numel, self.config.density_at(self.step))
+        step, self.step = self.step, self.step + 1
         # Step 2: error feedback; the residual buffer becomes the accumulator in place.
         accumulator = ops.add_scaled_(self.residual, grad, prescale)
+        if self.k >= self.numel:
+            return self._start_dense(accumulator, began)
         # Step 3: local selection; what is not selected stays in the residual.
         indices = self.selection.select(ops, accumulator, self.k)
         values = ops.take(accumulator, indices)
@@ -119,11 +124,19 @@ class BucketReducer:
             # Lossy compression: the rounding stays here instead of vanishing.
             self.residual = ops.add_at(self.residual, indices, lost)
         selected = ops.clock(wire)
-        # Steps 4-5: partition and Spar-Reduce-Scatter.
+        # Step 4: partition (a balanced one may move the boundaries, on every rank alike).
+        boundaries, partition_bytes = self.partitioner.update(
+            ops, indices, self.numel, step, self.name, self.process_set
+        )
+        if boundaries is not None:
+            self.boundaries = boundaries
+        # Step 5: Spar-Reduce-Scatter.
         sent = spar_reduce_scatter_start(
             ops, indices, wire, self.boundaries, self.name, self.process_set
         )
         self._accounting = {
+            "dense": 0,
+            "extra_bytes": partition_bytes,
             "select": selected - began,
             "exchange": ops.clock() - selected,
             "send_splits": sent.send_splits,
@@ -131,8 +144,30 @@ class BucketReducer:
         }
         return ScatterInFlight(sent, wire, ctx)
 
+    def _start_dense(self, accumulator: Tensor, began: Any) -> GatherInFlight:
+        """A dense step (warm-up, or density 1): allreduce the whole accumulator.
+
+        Sends: one ring allreduce of n values. Keeps: nothing; the residual is folded
+        into this step, so the switch to sparse starts from a zero residual.
+        """
+        ops = self.ops
+        wire, ctx, _ = ops.compress(accumulator, self.compression)
+        handle = ops.allreduce_sum_async(wire, f"{self.name}.warm", self.process_set)
+        self.residual = ops.zeros(self.numel, accumulator)
+        self._accounting = {
+            "dense": 1,
+            "extra_bytes": allreduce_ring_bytes(self.numel, self.world_size, ops.itemsize(wire))[0],
+            "select": 0.0,
+            "exchange": ops.clock() - began,
+            "send_splits": [0] * self.world_size,
+            "recv_splits": [0] * self.world_size,
+            "row_bytes": 0,
+            "gather_row_bytes": 0,
+        }
+        return GatherInFlight(handle, 0, wire, ctx)
+
     # ---------------------------------------------------------------- stage 2
-    def reduce_and_gather(self, inflight: ScatterInFlight) -> GatherInFlight:
+    def reduce_and_gather(self, inflight: ScatterInFlight | GatherInFlight) -> GatherInFlight:
         """Owner reduction, global selection, global residual collection, all-gather launch.
 
         Sends: 4 histogram allreduces of 1 KiB, then one allgather of this owner's share
@@ -140,6 +175,8 @@ class BucketReducer:
         Keeps: the reduced entries of this owner's region below the global threshold,
         added to ``residual`` (global residual collection: no mass is dropped).
         """
+        if isinstance(inflight, GatherInFlight):  # a dense step has no second stage
+            return inflight
         ops, acc = self.ops, self._accounting
         began = ops.clock()
         rows, recv_splits = ops.wait(inflight.sent.handle)
@@ -186,6 +223,10 @@ class BucketReducer:
         began = ops.clock()
         rows = ops.wait(inflight.handle)
         acc["exchange"] = acc["exchange"] + (ops.clock(rows) - began)
+        if acc["dense"]:
+            summed = ops.decompress(rows, inflight.compression_ctx)
+            acc["gather_total"] = acc["gather_own"] = acc["gather_next"] = self.numel
+            return ops.scale(summed, postscale) if postscale != 1.0 else summed
         indices, wire_values = ops.unpack_rows(rows, inflight.wire_like)
         values = ops.decompress(wire_values, inflight.compression_ctx)
         result = ops.scatter_into(self.numel, like, indices, values)
@@ -201,7 +242,9 @@ class BucketReducer:
     def step_counts(self) -> list[Any]:
         """Raw figures of the last step, host numbers or device scalars (an adapter may
         store them in a variable inside a graph): alltoall rows sent and received,
-        allgather rows in total / own / next rank's, seconds selecting and exchanging."""
+        allgather rows in total / own / next rank's, seconds selecting and exchanging,
+        1 for a dense step, and one-way bytes of any extra collective (partition
+        histogram, or the dense step's allreduce)."""
         ops, acc = self.ops, self._accounting
         return [
             ops.sum_except(acc["send_splits"], self.rank),
@@ -211,22 +254,28 @@ class BucketReducer:
             acc["gather_next"],
             acc["select"],
             acc["exchange"],
+            acc["dense"],
+            acc["extra_bytes"],
         ]
 
     def stats_from_counts(self, counts: list[float]) -> StepStats:
         """:class:`StepStats` from host values of :meth:`step_counts`."""
-        rs_sent, rs_received, total, own, next_rows, select, exchange = counts
+        rs_sent, rs_received, total, own, next_rows, select, exchange, dense, extra = counts
         acc = self._accounting
-        ag_sent, ag_received = allgather_ring_bytes(
-            int(total), int(own), int(next_rows), acc["gather_row_bytes"]
-        )
-        hist_sent, hist_received = histogram_bytes(self.world_size)
         dense_sent, dense_received = allreduce_ring_bytes(
             self.numel, self.world_size, self.ops.itemsize(self.residual)
         )
+        sent = received = int(extra)
+        if not int(dense):
+            ag_sent, ag_received = allgather_ring_bytes(
+                int(total), int(own), int(next_rows), acc["gather_row_bytes"]
+            )
+            hist_sent, hist_received = histogram_bytes(self.world_size)
+            sent += int(rs_sent) * acc["row_bytes"] + ag_sent + hist_sent
+            received += int(rs_received) * acc["row_bytes"] + ag_received + hist_received
         return StepStats(
-            bytes_sent=int(rs_sent) * acc["row_bytes"] + ag_sent + hist_sent,
-            bytes_received=int(rs_received) * acc["row_bytes"] + ag_received + hist_received,
+            bytes_sent=sent,
+            bytes_received=received,
             dense_bytes=dense_sent + dense_received,
             numel=self.numel,
             selected=int(total),

@@ -72,6 +72,29 @@ class TFBackend:
         indices = tf.math.top_k(tf.abs(values), k=k, sorted=False).indices
         return tf.sort(tf.cast(indices, tf.int64))
 
+    def strided_sample_abs(self, values: tf.Tensor, size: int, offset: int) -> tf.Tensor:
+        stride = max(1, int(values.shape[0]) // size)
+        positions = tf.range(size, dtype=tf.int64) * stride + (offset % stride)
+        return tf.abs(tf.gather(values, positions))
+
+    def kth_largest(self, values: tf.Tensor, k: int) -> tf.Tensor:
+        return tf.reduce_min(tf.math.top_k(values, k=k, sorted=False).values)
+
+    def indices_at_least(self, values: tf.Tensor, threshold: tf.Tensor) -> tf.Tensor:
+        return tf.where(tf.abs(values) >= threshold)[:, 0]
+
+    def top_of(self, values: tf.Tensor, candidates: tf.Tensor, k: int) -> tf.Tensor:
+        magnitudes = tf.abs(tf.gather(values, candidates))
+        best = tf.math.top_k(magnitudes, k=k, sorted=False).indices
+        return tf.sort(tf.gather(candidates, best))
+
+    def position_histogram(self, indices: tf.Tensor, numel: int, bins: int) -> tf.Tensor:
+        which = indices * bins // numel
+        return tf.math.unsorted_segment_sum(tf.ones_like(which, tf.int32), which, bins)
+
+    def to_host_list(self, tensor: tf.Tensor) -> list:
+        return tensor.numpy().tolist()
+
     def take(self, values: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
         return tf.gather(values, indices)
 

@@ -21,6 +21,7 @@ from horovod_sparse.tensorflow.reducer import (
     make_counts_variable,
     op_name,
     run_bucket,
+    tf_config,
 )
 
 __all__ = ["reset_residuals", "residual_variables", "sparse_allreduce", "stats"]
@@ -87,7 +88,7 @@ def sparse_allreduce(
         )
     if tensor.shape.num_elements() is None:
         raise ValueError(f"sparse_allreduce({name!r}) needs a statically known tensor size")
-    config = SparseConfig(density=density)
+    config = tf_config(density=density)
     if not process_set.included():
         raise ValueError(f"sparse_allreduce({name!r}): this rank is not in the process set")
     prescale, postscale = reduction_scales(

@@ -20,10 +20,21 @@ from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.tensorflow.backend import TFBackend
 
-__all__ = ["BACKEND", "BucketState", "GradientReducer", "op_name", "run_bucket"]
+__all__ = ["BACKEND", "BucketState", "GradientReducer", "op_name", "run_bucket", "tf_config"]
 
 BACKEND = TFBackend()
-_COUNT_SLOTS = 8  # >= len(BucketReducer.step_counts())
+_COUNT_SLOTS = 10  # >= BucketReducer.NUM_COUNTS
+
+
+def tf_config(**knobs: Any) -> SparseConfig:
+    """A :class:`SparseConfig` for TF: exact selection and a uniform partition.
+
+    The threshold selection and the balanced partition keep host-side state (a reused
+    threshold, counts read on the host) that a ``tf.function`` traced once cannot
+    update per call; TF uses the stateless stages, which run the same in eager and
+    graph mode.
+    """
+    return SparseConfig(selection="exact", partition="uniform", **knobs)
 
 
 def op_name(op: Any) -> str:

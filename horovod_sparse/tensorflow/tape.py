@@ -7,9 +7,8 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from horovod_sparse.common.config import SparseConfig
 from horovod_sparse.common.stats import StepStats
-from horovod_sparse.tensorflow.reducer import GradientReducer
+from horovod_sparse.tensorflow.reducer import GradientReducer, tf_config
 
 __all__ = ["DistributedGradientTape"]
 
@@ -59,7 +58,7 @@ class DistributedGradientTape(tf.GradientTape):
         self._tape = gradtape._tape
         self._recording = gradtape._recording
         self._watched_variables = gradtape._watched_variables
-        self._config = SparseConfig(
+        self._config = tf_config(
             density=density,
             min_sparse_numel=min_sparse_numel,
             fusion_threshold_bytes=fusion_threshold_bytes,

@@ -78,6 +78,31 @@ class TorchBackend:
             return torch.arange(values.numel(), device=values.device)
         return torch.topk(values.abs(), k, sorted=False).indices.sort().values
 
+    def strided_sample_abs(self, values: torch.Tensor, size: int, offset: int) -> torch.Tensor:
+        stride = max(1, values.numel() // size)
+        positions = torch.arange(size, device=values.device) * stride + (offset % stride)
+        return values.index_select(0, positions).abs()
+
+    def kth_largest(self, values: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.topk(values, k, sorted=False).values.min()
+
+    def indices_at_least(self, values: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+        # One memory pass; nonzero() syncs: the selection's size is data-dependent.
+        return (values.abs() >= threshold).nonzero().view(-1)
+
+    def top_of(self, values: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+        magnitudes = values.index_select(0, candidates).abs()
+        best = torch.topk(magnitudes, k, sorted=False).indices
+        return candidates.index_select(0, best).sort().values
+
+    def position_histogram(self, indices: torch.Tensor, numel: int, bins: int) -> torch.Tensor:
+        which = indices * bins // numel
+        counts = torch.zeros(bins, dtype=torch.int32, device=indices.device)
+        return counts.scatter_add_(0, which, torch.ones_like(which, dtype=torch.int32))
+
+    def to_host_list(self, tensor: torch.Tensor) -> list:
+        return tensor.tolist()
+
     def take(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return values.index_select(0, indices)
 

@@ -89,6 +89,8 @@ def sparse_allreduce_async(
     postscale_factor: float = 1.0,
     process_set: Any = hvd.global_process_set,
     compression: Any = hvd.Compression.none,
+    selection: str = "threshold",
+    partition: str = "uniform",
 ) -> SparseHandle:
     """Start a sparse allreduce of ``tensor``; returns a :class:`SparseHandle`.
 
@@ -101,7 +103,7 @@ def sparse_allreduce_async(
         >>> reduced = synchronize(handle)
     """
     name = _check_tensor(tensor, name)
-    config = SparseConfig(density=density)
+    config = SparseConfig(density=density, selection=selection, partition=partition)
     if not process_set.included():
         raise ValueError(f"sparse_allreduce({name!r}): this rank is not in the process set")
     prescale, postscale = reduction_scales(
@@ -144,6 +146,8 @@ def sparse_allreduce(
     postscale_factor: float = 1.0,
     process_set: Any = hvd.global_process_set,
     compression: Any = hvd.Compression.none,
+    selection: str = "threshold",
+    partition: str = "uniform",
 ) -> torch.Tensor:
     """Sparse allreduce of ``tensor`` with error feedback; returns a new tensor.
 
@@ -157,7 +161,16 @@ def sparse_allreduce(
     """
     return synchronize(
         sparse_allreduce_async(
-            tensor, density, name, op, prescale_factor, postscale_factor, process_set, compression
+            tensor,
+            density,
+            name,
+            op,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+            compression,
+            selection,
+            partition,
         )
     )
 

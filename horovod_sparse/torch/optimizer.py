@@ -71,6 +71,12 @@ class SparseOptimizerMixin:
         density: float = 0.01,
         min_sparse_numel: int = 1024,
         fusion_threshold_bytes: int | None = None,
+        selection: str = "threshold",
+        partition: str = "uniform",
+        warmup_steps: int = 0,
+        density_decay_steps: int = 0,
+        reestimate_steps: int = 10,
+        repartition_steps: int = 50,
         **kwargs: Any,
     ) -> None:
         super().__init__(params, *args, **kwargs)
@@ -88,6 +94,12 @@ class SparseOptimizerMixin:
                 density=density,
                 min_sparse_numel=min_sparse_numel,
                 fusion_threshold_bytes=fusion_threshold_bytes,
+                selection=selection,
+                partition=partition,
+                warmup_steps=warmup_steps,
+                density_decay_steps=density_decay_steps,
+                reestimate_steps=reestimate_steps,
+                repartition_steps=repartition_steps,
             ),
         )
 
@@ -450,6 +462,12 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     density: float = 0.01,
     min_sparse_numel: int = 1024,
     fusion_threshold_bytes: int | None = None,
+    selection: str = "threshold",
+    partition: str = "uniform",
+    warmup_steps: int = 0,
+    density_decay_steps: int = 0,
+    reestimate_steps: int = 10,
+    repartition_steps: int = 50,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so its gradients are reduced by sparse allreduce.
 
@@ -459,6 +477,8 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
         density: fraction of gradient entries exchanged per bucket, in (0, 1].
         min_sparse_numel: tensors with fewer elements use dense ``hvd.allreduce``.
         fusion_threshold_bytes: bucket size; default ``HOROVOD_FUSION_THRESHOLD`` or 128 MiB.
+        selection, partition, warmup_steps, density_decay_steps, reestimate_steps,
+        repartition_steps: see :class:`~horovod_sparse.common.config.SparseConfig`.
 
     ``groups`` (lists of parameters) and ``num_groups`` define the fusion buckets.
     The returned object is an instance of ``Sparse<OptimizerClass>``, a subclass of both
@@ -488,6 +508,12 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
             density=density,
             min_sparse_numel=min_sparse_numel,
             fusion_threshold_bytes=fusion_threshold_bytes,
+            selection=selection,
+            partition=partition,
+            warmup_steps=warmup_steps,
+            density_decay_steps=density_decay_steps,
+            reestimate_steps=reestimate_steps,
+            repartition_steps=repartition_steps,
         ),
     )
     return wrapped

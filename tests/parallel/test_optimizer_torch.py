@@ -98,7 +98,10 @@ def test_hook_path_matches_reference():
     model = torch.nn.Linear(100, 200, bias=False)  # one bucket of 20000
     density, numel = 0.02, 20_000
     opt = hvds.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(), density=density
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        model.named_parameters(),
+        density=density,
+        selection="exact",
     )
     (residual_name,) = opt.residuals()
     before = torch.zeros(numel)

@@ -44,7 +44,9 @@ def test_matches_single_process_reference(density):
         before = hvds.residual("ref").clone() if step else torch.zeros(numel)
         grad = local_grad(step, numel)
         accumulators = gather_rows(before + grad, f"ref.acc.{step}")
-        out = hvds.sparse_allreduce(grad, density=density, name="ref", op=hvd.Sum)
+        out = hvds.sparse_allreduce(
+            grad, density=density, name="ref", op=hvd.Sum, selection="exact"
+        )
         expected = reference_step(accumulators, k, uniform_boundaries(numel, size))
         got = out.numpy()
         np.testing.assert_array_equal(np.flatnonzero(got), np.flatnonzero(expected.result_sum))

@@ -130,12 +130,21 @@ def test_radix_select_finds_kth_magnitude(backend, k):
     assert kept.sum() == min(k, 1000)
 
 
+BACKENDS = {"torch": _torch_backend, "tensorflow": _tf_backend}
+
+
 @pytest.mark.parametrize("density", [0.01, 0.2, 1.0])
-def test_single_rank_pipeline_matches_reference(backend, density):
-    ops, to, back = backend
+@pytest.mark.parametrize(
+    "framework,selection",
+    # TF runs the stateless stages only (horovod_sparse.tensorflow.reducer.tf_config).
+    [("torch", "exact"), ("torch", "threshold"), ("tensorflow", "exact")],
+)
+def test_single_rank_pipeline_matches_reference(framework, selection, density):
+    ops, to, back = BACKENDS[framework]()
     numel = 3000
     like = to(np.zeros(0, np.float32))
-    reducer = BucketReducer(ops, "b", numel, like, SparseConfig(density=density), OneRank())
+    config = SparseConfig(density=density, selection=selection)
+    reducer = BucketReducer(ops, "b", numel, like, config, OneRank())
     before = np.zeros(numel, np.float32)
     rng = np.random.default_rng(5)
     for _ in range(3):

@@ -16,9 +16,8 @@ import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 
-from horovod_sparse.common.config import SparseConfig
 from horovod_sparse.common.stats import StepStats
-from horovod_sparse.tensorflow.reducer import GradientReducer
+from horovod_sparse.tensorflow.reducer import GradientReducer, tf_config
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
 
@@ -65,7 +64,7 @@ class SparseOptimizerMixin:
         if backward_passes_per_step > 1:
             kwargs["gradient_accumulation_steps"] = int(backward_passes_per_step)
         super().__init__(*args, **kwargs)
-        self.sparse_config = SparseConfig(
+        self.sparse_config = tf_config(
             density=density,
             min_sparse_numel=min_sparse_numel,
             fusion_threshold_bytes=fusion_threshold_bytes,
