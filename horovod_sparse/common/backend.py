@@ -32,6 +32,9 @@ class Backend(Protocol):
         """``buffer + factor * tensor.flatten()``, in place where the framework allows."""
 
     def copy(self, tensor: Tensor) -> Tensor: ...
+    def assign(self, buffer: Tensor, source: Any) -> Tensor:
+        """``buffer``'s contents replaced by ``source`` (any device, same length)."""
+
     def scale(self, tensor: Tensor, factor: float) -> Tensor: ...
     def to_host_number(self, scalar: Any) -> float: ...
     def sum_except(self, counts: Any, rank: int) -> Any:

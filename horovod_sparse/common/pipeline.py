@@ -289,9 +289,32 @@ class BucketReducer:
         return self.stats_from_counts([self.ops.to_host_number(c) for c in self.step_counts()])
 
     # ---------------------------------------------------------------- checkpoint
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint must carry for this bucket."""
-        return {"residual": self.residual, "numel": self.numel, "boundaries": list(self.boundaries)}
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must carry to continue exactly: the residual (this rank's
+        mass still owed), the step (the density schedule's position), the selection's
+        state (a reused threshold) and the partition boundaries."""
+        return {
+            "residual": self.residual,
+            "step": self.step,
+            "selection": self.selection.state_dict(),
+            "boundaries": list(self.boundaries),
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], residual: bool = True) -> None:
+        """Restore :meth:`state_dict`; ``residual=False`` keeps the current residual.
+
+        Boundaries are restored only when the world size is the same (otherwise the
+        partitioner starts again from its initial cut).
+        """
+        self.step = int(state["step"])
+        self.selection.load_state_dict(state["selection"])
+        if int(state["world_size"]) == self.world_size:
+            self.boundaries = [int(b) for b in state["boundaries"]]
+        if residual:
+            self.residual = self.ops.add_scaled_(
+                self.ops.scale(self.residual, 0.0), state["residual"], 1.0
+            )
 
 
 class DenseBucketReducer:

@@ -47,6 +47,9 @@ class TFBackend:
     def copy(self, tensor: tf.Tensor) -> tf.Tensor:
         return tf.identity(tensor)
 
+    def assign(self, buffer: tf.Tensor, source: Any) -> tf.Tensor:
+        return tf.cast(tf.reshape(tf.convert_to_tensor(source), tf.shape(buffer)), buffer.dtype)
+
     def scale(self, tensor: tf.Tensor, factor: float) -> tf.Tensor:
         return tensor * tf.cast(factor, tensor.dtype)
 

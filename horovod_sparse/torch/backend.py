@@ -58,6 +58,9 @@ class TorchBackend:
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone()
 
+    def assign(self, buffer: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return buffer.copy_(source)
+
     def scale(self, tensor: torch.Tensor, factor: float) -> torch.Tensor:
         return tensor.mul_(factor)
 
@@ -87,8 +90,9 @@ class TorchBackend:
         return torch.topk(values, k, sorted=False).values.min()
 
     def indices_at_least(self, values: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-        # One memory pass; nonzero() syncs: the selection's size is data-dependent.
-        return (values.abs() >= threshold).nonzero().view(-1)
+        # One memory pass without materialising |values|; nonzero() syncs: the
+        # selection's size is data-dependent.
+        return ((values >= threshold) | (values <= -threshold)).nonzero().view(-1)
 
     def top_of(self, values: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
         magnitudes = values.index_select(0, candidates).abs()

@@ -360,14 +360,11 @@ class SparseOptimizerMixin:
 
     def residuals(self) -> dict[str, torch.Tensor]:
         """This rank's residual per bucket name (flat buffers; read-only views)."""
-        return {
-            slot.bucket.name: slot.reducer.residual
-            for slot in self._buckets
-            if isinstance(slot.reducer, BucketReducer)
-        }
+        return {slot.bucket.name: slot.reducer.residual for slot in self._sparse_slots()}
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state plus this rank's residuals.
+        """The wrapped optimizer's state plus, per sparse bucket, this rank's residual,
+        step count, selection state (threshold) and partition boundaries.
 
         Residuals are per rank: save one checkpoint per rank to resume exactly. Loading
         a checkpoint written by another rank or world size keeps this rank's residuals
@@ -377,7 +374,10 @@ class SparseOptimizerMixin:
         state[_STATE_KEY] = {
             "rank": self.process_set.rank(),
             "world_size": self.process_set.size(),
-            "residuals": {name: r.detach().clone() for name, r in self.residuals().items()},
+            "buckets": {
+                slot.bucket.name: _detached(slot.reducer.state_dict())
+                for slot in self._sparse_slots()
+            },
         }
         return state
 
@@ -398,14 +398,28 @@ class SparseOptimizerMixin:
                 f"{self.process_set.size()}: residuals start from zero",
                 stacklevel=2,
             )
-        for name, residual in self.residuals().items():
-            saved = sparse_state["residuals"].get(name)
-            if saved is None or saved.numel() != residual.numel():
-                raise ValueError(f"checkpoint has no residual matching bucket {name}")
-            if same_place:
-                residual.copy_(saved)
-            else:
-                residual.zero_()
+        for slot in self._sparse_slots():
+            saved = sparse_state["buckets"].get(slot.bucket.name)
+            if saved is None or saved["residual"].numel() != slot.bucket.numel:
+                raise ValueError(f"checkpoint has no state matching bucket {slot.bucket.name}")
+            slot.reducer.load_state_dict(saved, residual=same_place)
+            if not same_place:
+                slot.reducer.residual.zero_()
+
+    def _sparse_slots(self) -> list[_BucketSlot]:
+        return [s for s in self._buckets if isinstance(s.reducer, BucketReducer)]
+
+
+def _detached(state: dict[str, Any]) -> dict[str, Any]:
+    """Copies of tensors, so a saved state does not change with later steps."""
+    return {
+        key: _detached(value)
+        if isinstance(value, dict)
+        else value.detach().clone()
+        if isinstance(value, torch.Tensor)
+        else value
+        for key, value in state.items()
+    }
 
 
 def allgather_object(obj: Any, name: str, process_set: Any) -> list[Any]:

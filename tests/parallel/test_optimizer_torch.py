@@ -257,7 +257,9 @@ def test_state_dict_round_trip_continues_identically():
     model_a, opt_a = make()
     train(model_a, opt_a, 5)
     saved_model, saved_opt = copy.deepcopy(model_a.state_dict()), copy.deepcopy(opt_a.state_dict())
-    assert all(float(r.abs().sum()) > 0 for r in saved_opt["horovod_sparse"]["residuals"].values())
+    buckets = saved_opt["horovod_sparse"]["buckets"]
+    assert all(float(b["residual"].abs().sum()) > 0 for b in buckets.values())
+    assert all(b["step"] == 5 and b["selection"]["threshold"] is not None for b in buckets.values())
     train_more = [batch(s) for s in range(5, 10)]
     for x, y in train_more:
         opt_a.zero_grad()
@@ -267,7 +269,7 @@ def test_state_dict_round_trip_continues_identically():
     model_b.load_state_dict(saved_model)
     opt_b.load_state_dict(saved_opt)
     for name, r in opt_b.residuals().items():
-        assert torch.equal(r, saved_opt["horovod_sparse"]["residuals"][name])
+        assert torch.equal(r, buckets[name]["residual"])
     for x, y in train_more:
         opt_b.zero_grad()
         torch.nn.functional.cross_entropy(model_b(x), y).backward()

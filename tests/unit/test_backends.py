@@ -147,16 +147,19 @@ def test_single_rank_pipeline_matches_reference(framework, selection, density):
     reducer = BucketReducer(ops, "b", numel, like, config, OneRank())
     before = np.zeros(numel, np.float32)
     rng = np.random.default_rng(5)
+    k = budget(numel, density)
     for _ in range(3):
         grad = rng.standard_normal(numel).astype(np.float32)
         inflight = reducer.reduce_and_gather(reducer.start(to(grad)))
         got = back(reducer.finish(inflight, like))
-        expected = reference_step(
-            [before + grad], budget(numel, density), uniform_boundaries(numel, 1)
-        )
+        # A threshold selection is the top-c entries for its own count c in [0.8k, 1.25k]:
+        # the reference with budget c must agree exactly.
+        count = int(np.count_nonzero(got)) if selection == "threshold" else k
+        assert 0.8 * k <= count <= 1.25 * k
+        expected = reference_step([before + grad], count, uniform_boundaries(numel, 1))
         np.testing.assert_allclose(got, expected.result_sum, rtol=1e-6)
         before = back(reducer.residual).copy()
         np.testing.assert_allclose(before, expected.residuals[0], rtol=1e-6)
         np.testing.assert_allclose(before + got, expected.residuals[0] + expected.result_sum)
     stats = reducer.last_stats()
-    assert stats.selected == budget(numel, density) and stats.bytes_sent == 0  # one rank
+    assert stats.selected == count and stats.bytes_sent == 0  # one rank
