@@ -28,4 +28,5 @@ demo: bootstrap
 	$(PY) examples/compare.py $(DEMO_OUT)/dense.json $(DEMO_OUT)/sparse.json
 
 bench: bootstrap
-	$(RUN) horovodrun -np 2 -H localhost:2 --gloo $(PY) benchmarks/allreduce.py
+	$(RUN) $(PY) benchmarks/selection.py
+	$(RUN) $(PY) benchmarks/allreduce.py

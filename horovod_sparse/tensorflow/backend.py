@@ -84,7 +84,8 @@ class TFBackend:
         return tf.reduce_min(tf.math.top_k(values, k=k, sorted=False).values)
 
     def indices_at_least(self, values: tf.Tensor, threshold: tf.Tensor) -> tf.Tensor:
-        return tf.where(tf.abs(values) >= threshold)[:, 0]
+        # "Not below": NaN (false in every comparison) is selected, as dense would pass it.
+        return tf.where(tf.logical_not(tf.abs(values) < threshold))[:, 0]
 
     def top_of(self, values: tf.Tensor, candidates: tf.Tensor, k: int) -> tf.Tensor:
         magnitudes = tf.abs(tf.gather(values, candidates))

@@ -90,9 +90,11 @@ class TorchBackend:
         return torch.topk(values, k, sorted=False).values.min()
 
     def indices_at_least(self, values: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-        # One memory pass without materialising |values|; nonzero() syncs: the
-        # selection's size is data-dependent.
-        return ((values >= threshold) | (values <= -threshold)).nonzero().view(-1)
+        # One memory pass without materialising |values|. Written as "not inside the
+        # band" so NaN (false in every comparison) is selected and reaches the result,
+        # as it would with dense Horovod. nonzero() syncs: the size is data-dependent.
+        inside = (values < threshold) & (values > -threshold)
+        return (~inside).nonzero().view(-1)
 
     def top_of(self, values: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
         magnitudes = values.index_select(0, candidates).abs()

@@ -90,7 +90,7 @@ class SparseOptimizerMixin:
             groups=groups,
             sparse_as_dense=sparse_as_dense,
             process_set=process_set,
-            config=SparseConfig(
+            config_knobs=dict(
                 density=density,
                 min_sparse_numel=min_sparse_numel,
                 fusion_threshold_bytes=fusion_threshold_bytes,
@@ -116,8 +116,29 @@ class SparseOptimizerMixin:
         groups: Any,
         sparse_as_dense: bool,
         process_set: Any,
-        config: SparseConfig,
+        config_knobs: dict[str, Any],
     ) -> None:
+        if not process_set.included():
+            raise ValueError("this rank is not in the optimizer's process_set")
+        # Validate locally, then share the verdict in the one validation collective, so
+        # a problem on any rank is raised on every rank instead of leaving the others
+        # waiting in a collective.
+        problem: Exception | None = None
+        named: list[tuple[str, torch.Tensor]] = []
+        try:
+            config = SparseConfig(**config_knobs)
+            if int(backward_passes_per_step) < 1:
+                raise ValueError(
+                    f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
+                )
+            prescale, postscale = optimizer_scales(
+                op_name(op), process_set.size(), float(gradient_predivide_factor)
+            )
+            named = self._name_parameters(named_parameters)
+        except (TypeError, ValueError) as error:
+            problem = error
+        self._validate_across_ranks(named, problem, process_set)
+
         # Hyperparameters.
         self.sparse_config = config
         self.compression = compression
@@ -126,19 +147,8 @@ class SparseOptimizerMixin:
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
-        if self.backward_passes_per_step < 1:
-            raise ValueError(
-                f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
-            )
-        if not process_set.included():
-            raise ValueError("this rank is not in the optimizer's process_set")
-        self._prescale, self._postscale = optimizer_scales(
-            op_name(op), process_set.size(), self.gradient_predivide_factor
-        )
-
-        named = self._name_parameters(named_parameters)
+        self._prescale, self._postscale = prescale, postscale
         self._param_names = {p: n for n, p in named}
-        self._validate_across_ranks(named)
 
         # Internal state: sparse buckets for large tensors, dense buckets for small ones.
         large = [(n, p) for n, p in named if p.numel() >= config.min_sparse_numel]
@@ -232,17 +242,29 @@ class SparseOptimizerMixin:
             return [ordered[i : i + size] for i in range(0, len(ordered), size)]
         return None
 
-    def _validate_across_ranks(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """One small collective: every rank must hold the same parameter list."""
+    def _validate_across_ranks(
+        self, named: list[tuple[str, torch.Tensor]], problem: Exception | None, process_set: Any
+    ) -> None:
+        """One small collective: every rank must be valid and hold the same parameters.
+
+        Raises on every rank: this rank's own error, another rank's error (named), or
+        the first parameter that differs between ranks.
+        """
         mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        everyone = allgather_object(mine, "hvds.opt.validate", self.process_set)
-        for rank, theirs in enumerate(everyone):
+        verdict = None if problem is None else f"{type(problem).__name__}: {problem}"
+        everyone = allgather_object((verdict, mine), "hvds.opt.validate", process_set)
+        if problem is not None:
+            raise problem
+        for rank, (their_problem, _) in enumerate(everyone):
+            if their_problem is not None:
+                raise ValueError(f"rank {rank} could not build the optimizer: {their_problem}")
+        for rank, (_, theirs) in enumerate(everyone):
             if theirs == mine:
                 continue
             for i, (a, b) in enumerate(zip(mine, theirs)):
                 if a != b:
                     raise ValueError(
-                        f"parameter {i} differs between this rank ({a}) and rank {rank} ({b}); "
+                        f"parameter {i} differs between this rank {a} and rank {rank} {b}; "
                         "every rank must build the same model and optimizer"
                     )
             raise ValueError(
@@ -518,7 +540,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
         groups=groups,
         sparse_as_dense=sparse_as_dense,
         process_set=process_set,
-        config=SparseConfig(
+        config_knobs=dict(
             density=density,
             min_sparse_numel=min_sparse_numel,
             fusion_threshold_bytes=fusion_threshold_bytes,
