@@ -1,0 +1,71 @@
+"""One rank of the alpha-beta measurement: time collectives over message sizes.
+
+Run inside the emulated cluster by ``run.py``; rank 0 writes the medians as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import horovod.torch as hvd
+import torch
+
+SIZES = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22]  # float32 elements per rank
+
+
+def timed(fn, tag: str, repeats: int = 5) -> float:
+    times = []
+    for i in range(repeats + 1):
+        hvd.barrier()
+        start = time.perf_counter()
+        fn(f"{tag}.{i}")
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        slowest = float(hvd.allreduce(elapsed, op=hvd.Max, name=f"{tag}.t{i}"))
+        if i:
+            times.append(slowest)
+    return statistics.median(times)
+
+
+def main(out: str) -> None:
+    hvd.init()
+    torch.set_num_threads(1)
+    size = hvd.size()
+    rows = []
+    for numel in SIZES:
+        x = torch.randn(numel)
+        chunks = torch.full((size,), numel // size, dtype=torch.int32)
+        chunks[-1] += numel - int(chunks.sum())
+        rows.append(
+            {
+                "op": "allreduce",
+                "numel": numel,
+                "seconds": timed(lambda n, x=x: hvd.allreduce(x, name=n), f"ar{numel}"),
+            }
+        )
+        rows.append(
+            {
+                "op": "alltoall",
+                "numel": numel,
+                "seconds": timed(
+                    lambda n, x=x, c=chunks: hvd.alltoall(x, splits=c, name=n), f"aa{numel}"
+                ),
+            }
+        )
+        part = x[: numel // size]
+        rows.append(
+            {
+                "op": "allgather",
+                "numel": numel // size,
+                "seconds": timed(lambda n, part=part: hvd.allgather(part, name=n), f"ag{numel}"),
+            }
+        )
+    if hvd.rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"world_size": size, "rows": rows}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
