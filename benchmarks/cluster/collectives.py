@@ -62,6 +62,25 @@ def main(out: str) -> None:
                 "seconds": timed(lambda n, part=part: hvd.allgather(part, name=n), f"ag{numel}"),
             }
         )
+    # The whole sparse allreduce (selection included) against dense, for the model check.
+    import horovod_sparse.torch as hvds
+
+    grad = torch.randn(1 << 22)
+    for density in (0.01, 0.001):
+        hvds.reset_residuals()
+        name = f"sparse{density}"
+        seconds = timed(lambda n, d=density, t=name: hvds.sparse_allreduce(grad, d, t), name)
+        s = hvds.stats(name)
+        rows.append(
+            {
+                "op": "sparse_allreduce",
+                "numel": grad.numel(),
+                "density": density,
+                "seconds": seconds,
+                "seconds_select": s.seconds_select,
+                "bytes_per_rank": s.bytes_sent + s.bytes_received,
+            }
+        )
     if hvd.rank() == 0:
         with open(out, "w") as f:
             json.dump({"world_size": size, "rows": rows}, f)

@@ -24,6 +24,7 @@ from cluster import PRESETS, Cluster, LinkSpec, require_root  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--collective-ranks", default="2,3,4", help="sizes for the alpha-beta fit")
     parser.add_argument("--presets", default="1g,10g")
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--density", type=float, default=0.01)
