@@ -86,8 +86,8 @@ class Backend(Protocol):
     def unpack_rows(self, rows: Tensor, wire_like: Tensor) -> tuple[Tensor, Tensor]:
         """Inverse of :meth:`pack_rows`: ``(int64 indices, values in wire_like's dtype)``."""
 
-    def unique(self, indices: Tensor) -> Tensor:
-        """Distinct values, ascending."""
+    def unique_inverse(self, indices: Tensor) -> tuple[Tensor, Tensor]:
+        """``(distinct values ascending, position of each input in them)``."""
 
     # ---- value compression (Horovod ``Compression`` classes)
     def compress(self, values: Tensor, compression: Any) -> tuple[Tensor, Any, Any]:

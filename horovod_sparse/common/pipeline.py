@@ -182,13 +182,12 @@ class BucketReducer:
         rows, recv_splits = ops.wait(inflight.sent.handle)
         received = ops.clock(rows)
         acc["recv_splits"] = recv_splits
-        lo, hi = self.boundaries[self.rank], self.boundaries[self.rank + 1]
+        lo = self.boundaries[self.rank]  # start of this owner's region
         # Step 6a: owner reduction (duplicates from different ranks add up).
         region_indices, sums = owner_reduce(
             ops,
             rows,
             inflight.wire_like,
-            hi - lo,
             self.residual,
             decode=lambda wire: ops.decompress(wire, inflight.compression_ctx),
         )

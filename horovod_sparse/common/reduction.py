@@ -13,7 +13,6 @@ def owner_reduce(
     ops: Backend,
     rows: Tensor,
     wire_like: Tensor,
-    region_numel: int,
     like: Tensor,
     decode: Callable[[Tensor], Tensor],
 ) -> tuple[Tensor, Tensor]:
@@ -24,7 +23,6 @@ def owner_reduce(
     Args:
         rows: the rows this owner received in the reduce-scatter (region-local indices).
         wire_like: a tensor in the dtype the values travelled in.
-        region_numel: length of this owner's region.
         like: a tensor with the bucket's dtype and device.
         decode: undoes the value compression (identity without one).
 
@@ -34,6 +32,7 @@ def owner_reduce(
     """
     indices, wire_values = ops.unpack_rows(rows, wire_like)
     values = decode(wire_values)
-    dense_region = ops.add_at(ops.zeros(region_numel, like), indices, values)
-    distinct = ops.unique(indices)
-    return distinct, ops.take(dense_region, distinct)
+    # Sum over the distinct received indices only: O(rows), not O(region length).
+    # Rows are added in arrival (rank) order, so the sums do not depend on timing.
+    distinct, position = ops.unique_inverse(indices)
+    return distinct, ops.add_at(ops.zeros(ops.num_rows(distinct), like), position, values)

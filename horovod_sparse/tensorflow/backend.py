@@ -138,8 +138,12 @@ class TFBackend:
         values = tf.bitcast(rows[:, 4:], wire_like.dtype)
         return indices, tf.reshape(values, [-1])
 
-    def unique(self, indices: tf.Tensor) -> tf.Tensor:
-        return tf.sort(tf.unique(indices).y)
+    def unique_inverse(self, indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        # tf.unique keeps first-seen order; sort the distinct values and remap.
+        distinct, position = tf.unique(indices)
+        order = tf.argsort(distinct)
+        rank_of = tf.math.invert_permutation(order)
+        return tf.gather(distinct, order), tf.gather(rank_of, position)
 
     # ---- value compression (Horovod's Compression classes)
     def compress(self, values: tf.Tensor, compression: Any) -> tuple[tf.Tensor, Any, Any]:

@@ -152,8 +152,8 @@ class TorchBackend:
         values = rows[:, 4:].contiguous().view(wire_like.dtype).view(-1)
         return indices, values
 
-    def unique(self, indices: torch.Tensor) -> torch.Tensor:
-        return torch.unique(indices, sorted=True)
+    def unique_inverse(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.unique(indices, sorted=True, return_inverse=True)
 
     # ---- value compression (Horovod's Compression classes)
     def compress(
