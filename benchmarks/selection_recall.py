@@ -24,6 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--selection", default="threshold")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     hvd.init()
@@ -43,7 +44,9 @@ def main() -> None:
         torch.nn.functional.cross_entropy(model(x), y).backward()
         grad = torch.cat([p.grad.reshape(-1) for p in params])
         accumulators = hvd.allgather((residual + grad).view(1, -1), name=f"acc.{step}")
-        out = hvds.sparse_allreduce(grad, density=args.density, name="g", op=hvd.Sum)
+        out = hvds.sparse_allreduce(
+            grad, density=args.density, name="g", op=hvd.Sum, selection=args.selection
+        )
         residual = hvds.residual("g").clone()
         chosen = set(out.nonzero().view(-1).tolist())
         ideal = set(accumulators.sum(0).abs().topk(k).indices.tolist())
@@ -64,6 +67,7 @@ def main() -> None:
     if hvd.rank() == 0:
         report = {
             "steps": args.steps,
+            "selection": args.selection,
             "world_size": hvd.size(),
             "numel": numel,
             "k": k,

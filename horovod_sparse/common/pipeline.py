@@ -228,6 +228,8 @@ class BucketReducer:
             return ops.scale(summed, postscale) if postscale != 1.0 else summed
         indices, wire_values = ops.unpack_rows(rows, inflight.wire_like)
         values = ops.decompress(wire_values, inflight.compression_ctx)
+        if postscale != 1.0:
+            values = ops.scale(values, postscale)  # scale the k kept values, not all n
         result = ops.scatter_into(self.numel, like, indices, values)
         nxt = (self.rank + 1) % self.world_size
         acc["gather_total"] = ops.num_rows(indices)
@@ -235,7 +237,7 @@ class BucketReducer:
         acc["gather_next"] = ops.count_in_range(
             indices, self.boundaries[nxt], self.boundaries[nxt + 1]
         )
-        return ops.scale(result, postscale) if postscale != 1.0 else result
+        return result
 
     # ---------------------------------------------------------------- stats
     def step_counts(self) -> list[Any]:
