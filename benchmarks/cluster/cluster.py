@@ -2,13 +2,17 @@
 
 Each rank runs in its own namespace ``hvdsN`` with one interface ``eth0`` (a veth whose
 peer is attached to the bridge ``hvdsbr0`` in the root namespace). Both ends of every link
-are shaped with ``tc netem`` (rate and optional delay), so each rank has its own NIC of
-the chosen speed. Addresses come from the benchmarking range 198.18.0.0/15 only:
+are shaped with ``tc tbf`` (rate) and, optionally, ``tc netem`` (added delay; needs the
+sch_netem module), so each rank has its own NIC of the chosen speed in each direction.
+Addresses come from the benchmarking range 198.18.0.0/15 only:
 the bridge is 198.18.0.1/24 and rank i is 198.18.0.(10 + i)/24.
 
 Ranks start through Horovod's Gloo launch contract, without ssh: a Horovod
 ``RendezvousServer`` in the root namespace (listening on the bridge address) plus the
 per-rank environment that ``horovodrun --gloo`` would set.
+
+Horovod's process-set Gloo contexts must honour ``HOROVOD_GLOO_IFACE`` for this to work
+across namespaces; ``ci/bootstrap`` fix (d) makes them do so.
 
 Needs root (``ip netns``, ``tc``); :func:`require_root` explains and exits otherwise.
 Everything created is removed on exit, on failure and on Ctrl-C.
@@ -59,9 +63,23 @@ def require_root() -> None:
         sys.exit(0)
 
 
-def _ip(*args: str, netns: str | None = None, check: bool = True) -> None:
+def _sh(*args: str, netns: str | None = None, check: bool = True) -> None:
+    """Run a command (``ip ...`` or ``tc ...``), inside ``netns`` if given."""
     cmd = (["ip", "netns", "exec", netns] if netns else []) + list(args)
     subprocess.run(cmd, check=check, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _ip(*args: str, netns: str | None = None, check: bool = True) -> None:
+    _sh("ip", *args, netns=netns, check=check)
+
+
+def _rate_bits(rate: str) -> int:
+    """``1gbit`` -> 1e9 (tc's decimal units)."""
+    units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return int(float(rate[: -len(unit)]) * scale)
+    raise ValueError(f"rate must end in one of {list(units)}, got {rate!r}")
 
 
 @dataclass
@@ -107,11 +125,49 @@ class Cluster:
         raise KeyboardInterrupt(f"signal {signum}")
 
     def _shape(self, device: str, netns: str | None) -> None:
-        netem = ["tc", "qdisc", "replace", "dev", device, "root", "netem", "rate", self.link.rate]
+        """Rate with ``tbf`` (always available); added delay with ``netem`` under it."""
+        bits = _rate_bits(self.link.rate)
+        burst = max(64 * 1024, bits // 8 // 250)  # >= one timer tick of data at HZ=250
+        tbf = [
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            device,
+            "root",
+            "handle",
+            "1:",
+            "tbf",
+            "rate",
+            self.link.rate,
+            "burst",
+            str(burst),
+            "latency",
+            "50ms",
+        ]
+        _sh(*tbf, netns=netns)
         if self.link.delay_ms:
-            netem += ["delay", f"{self.link.delay_ms}ms"]
-        netem += ["limit", "100000"]
-        _ip(*netem, netns=netns)
+            netem = [
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                device,
+                "parent",
+                "1:1",
+                "handle",
+                "10:",
+                "netem",
+                "delay",
+                f"{self.link.delay_ms}ms",
+            ]
+            try:
+                _sh(*netem, netns=netns)
+            except subprocess.CalledProcessError as error:
+                raise RuntimeError(
+                    "added latency needs the sch_netem qdisc, which this kernel does not "
+                    "provide; run without --delay-ms"
+                ) from error
 
     def _build(self) -> None:
         _ip("link", "add", BRIDGE, "type", "bridge")
