@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 RUN    := PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 DEMO_OUT := results/demo
 
-.PHONY: bootstrap test lint unit parallel demo bench
+.PHONY: bootstrap test lint unit parallel demo bench cluster-bench
 
 bootstrap:
 	bash ci/bootstrap
@@ -27,6 +27,12 @@ demo: bootstrap
 	$(RUN) horovodrun -np 2 -H localhost:2 --gloo $(PY) examples/pytorch/train_synthetic.py --density 0.01 --json $(DEMO_OUT)/sparse.json
 	$(PY) examples/compare.py $(DEMO_OUT)/dense.json $(DEMO_OUT)/sparse.json
 
+# A quick subset (under 10 minutes on 2 cores); README "Performance" has the full commands.
 bench: bootstrap
-	$(RUN) $(PY) benchmarks/selection.py
-	$(RUN) $(PY) benchmarks/allreduce.py
+	$(RUN) $(PY) benchmarks/selection.py --steps 30 --recall-steps 30
+	$(RUN) $(PY) benchmarks/allreduce.py --sizes 1M,16M --densities 0.01 --ranks 2,4 --repeats 5
+
+# Needs root: network namespaces and tc (skips with a message otherwise).
+cluster-bench: bootstrap
+	$(RUN) $(PY) benchmarks/cluster/run.py
+	$(RUN) $(PY) benchmarks/scaling.py

@@ -31,6 +31,9 @@ class Backend(Protocol):
     def add_scaled_(self, buffer: Tensor, tensor: Tensor, factor: float) -> Tensor:
         """``buffer + factor * tensor.flatten()``, in place where the framework allows."""
 
+    def add_scaled_at_(self, buffer: Tensor, offset: int, tensor: Tensor, factor: float) -> Tensor:
+        """``buffer[offset:offset + numel] += factor * tensor.flatten()``; returns it."""
+
     def copy(self, tensor: Tensor) -> Tensor: ...
     def assign(self, buffer: Tensor, source: Any) -> Tensor:
         """``buffer``'s contents replaced by ``source`` (any device, same length)."""
@@ -119,8 +122,11 @@ class Backend(Protocol):
     def count_in_range(self, indices: Tensor, lo: int, hi: int) -> Any:
         """Scalar: entries of ``indices`` in ``[lo, hi)``."""
 
-    def scatter_into(self, numel: int, like: Tensor, indices: Tensor, values: Tensor) -> Tensor:
-        """A new zero buffer with ``values`` written at the (distinct) ``indices``."""
+    def scatter_into(
+        self, numel: int, like: Tensor, indices: Tensor, values: Tensor, out: Any = None
+    ) -> Tensor:
+        """Zeros with ``values`` at the (distinct) ``indices``: in ``out`` if the framework
+        allows writing into it, else a new buffer."""
 
     # ---- collectives (asynchronous where the framework allows; resolve with wait)
     def alltoall_async(self, rows: Tensor, splits: Any, name: str, process_set: Any) -> Any: ...

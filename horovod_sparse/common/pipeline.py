@@ -99,7 +99,15 @@ class BucketReducer:
         self._accounting: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- stage 1
-    def start(self, grad: Tensor, prescale: float = 1.0) -> ScatterInFlight:
+    def accumulate(self, grad: Tensor, offset: int, prescale: float = 1.0) -> None:
+        """Step 2 for one tensor of the bucket: ``residual[offset:] += prescale * grad``.
+
+        Lets an adapter add each gradient as backward produces it, so :meth:`start`
+        (with ``grad=None``) needs no separate flat copy of the bucket.
+        """
+        self.residual = self.ops.add_scaled_at_(self.residual, offset, grad, prescale)
+
+    def start(self, grad: Tensor | None, prescale: float = 1.0) -> ScatterInFlight:
         """Error feedback, local selection, and the reduce-scatter launch.
 
         Sends: one alltoall of about k(P-1)/P rows (see
@@ -111,8 +119,11 @@ class BucketReducer:
         began = ops.clock()
         self.k = budget(self.numel, self.config.density_at(self.step))
         step, self.step = self.step, self.step + 1
-        # Step 2: error feedback; the residual buffer becomes the accumulator in place.
-        accumulator = ops.add_scaled_(self.residual, grad, prescale)
+        # Step 2: error feedback; the residual buffer becomes the accumulator in place
+        # (already done tensor by tensor through accumulate() when grad is None).
+        if grad is not None:
+            self.residual = ops.add_scaled_(self.residual, grad, prescale)
+        accumulator = self.residual
         if self.k >= self.numel:
             return self._start_dense(accumulator, began)
         # Step 3: local selection; what is not selected stays in the residual.
@@ -213,10 +224,13 @@ class BucketReducer:
         return GatherInFlight(handle, ops.num_rows(bucket_idx), wire, ctx)
 
     # ---------------------------------------------------------------- stage 3
-    def finish(self, inflight: GatherInFlight, like: Tensor, postscale: float = 1.0) -> Tensor:
+    def finish(
+        self, inflight: GatherInFlight, like: Tensor, postscale: float = 1.0, out: Tensor = None
+    ) -> Tensor:
         """Wait for the all-gather and write the dense result (zeros elsewhere).
 
-        Sends nothing more. Returns ``postscale * sum`` as a flat buffer of length n.
+        Sends nothing more. Returns ``postscale * sum`` as a flat buffer of length n,
+        written into ``out`` when given (saves allocating n elements every step).
         """
         ops, acc = self.ops, self._accounting
         began = ops.clock()
@@ -230,7 +244,7 @@ class BucketReducer:
         values = ops.decompress(wire_values, inflight.compression_ctx)
         if postscale != 1.0:
             values = ops.scale(values, postscale)  # scale the k kept values, not all n
-        result = ops.scatter_into(self.numel, like, indices, values)
+        result = ops.scatter_into(self.numel, like, indices, values, out)
         nxt = (self.rank + 1) % self.world_size
         acc["gather_total"] = ops.num_rows(indices)
         acc["gather_own"] = inflight.own_rows
@@ -362,7 +376,10 @@ class DenseBucketReducer:
     def reduce_and_gather(self, inflight: GatherInFlight) -> GatherInFlight:
         return inflight
 
-    def finish(self, inflight: GatherInFlight, like: Tensor, postscale: float = 1.0) -> Tensor:
+    def finish(
+        self, inflight: GatherInFlight, like: Tensor, postscale: float = 1.0, out: Tensor = None
+    ) -> Tensor:
+        # ``out`` is accepted for interface parity; the allreduce has its own output.
         began = self.ops.clock()
         summed = self.ops.decompress(self.ops.wait(inflight.handle), inflight.compression_ctx)
         self._seconds = self._seconds + (self.ops.clock(summed) - began)

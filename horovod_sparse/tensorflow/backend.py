@@ -44,6 +44,13 @@ class TFBackend:
         flat = tf.cast(tf.reshape(tensor, [-1]), buffer.dtype)
         return buffer + (flat if factor == 1.0 else flat * factor)
 
+    def add_scaled_at_(
+        self, buffer: tf.Tensor, offset: int, tensor: tf.Tensor, factor: float
+    ) -> tf.Tensor:
+        flat = tf.cast(tf.reshape(tensor, [-1]), buffer.dtype) * factor
+        positions = tf.range(offset, offset + tf.size(flat, out_type=tf.int64), dtype=tf.int64)
+        return tf.tensor_scatter_nd_add(buffer, positions[:, None], flat)
+
     def copy(self, tensor: tf.Tensor) -> tf.Tensor:
         return tf.identity(tensor)
 
@@ -206,8 +213,9 @@ class TFBackend:
         return tf.reduce_sum(tf.cast(inside, tf.int64))
 
     def scatter_into(
-        self, numel: int, like: tf.Tensor, indices: tf.Tensor, values: tf.Tensor
+        self, numel: int, like: tf.Tensor, indices: tf.Tensor, values: tf.Tensor, out: Any = None
     ) -> tf.Tensor:
+        # TF tensors are immutable: ``out`` is ignored and a new tensor returned.
         return tf.scatter_nd(indices[:, None], tf.cast(values, like.dtype), [numel])
 
     # ---- collectives: Horovod TF ops; the op's output stands in for the handle

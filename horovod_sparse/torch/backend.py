@@ -55,6 +55,13 @@ class TorchBackend:
     ) -> torch.Tensor:
         return buffer.add_(tensor.reshape(-1).to(buffer.dtype), alpha=factor)
 
+    def add_scaled_at_(
+        self, buffer: torch.Tensor, offset: int, tensor: torch.Tensor, factor: float
+    ) -> torch.Tensor:
+        part = buffer[offset : offset + tensor.numel()]
+        part.add_(tensor.reshape(-1).to(buffer.dtype), alpha=factor)
+        return buffer
+
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone()
 
@@ -218,10 +225,18 @@ class TorchBackend:
         return ((indices >= lo) & (indices < hi)).sum()
 
     def scatter_into(
-        self, numel: int, like: torch.Tensor, indices: torch.Tensor, values: torch.Tensor
+        self,
+        numel: int,
+        like: torch.Tensor,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        out = torch.zeros(numel, dtype=like.dtype, device=like.device)
-        return out.index_copy_(0, indices, values.to(like.dtype))
+        if out is None:
+            out = torch.zeros(numel, dtype=like.dtype, device=like.device)
+        else:
+            out.zero_()
+        return out.index_copy_(0, indices, values.to(out.dtype))
 
     # ---- collectives
     def alltoall_async(

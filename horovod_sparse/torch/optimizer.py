@@ -308,12 +308,20 @@ class SparseOptimizerMixin:
     def _submit(self, p: torch.Tensor) -> None:
         self._passes_left[p] = 0
         grad = self._dense_grad(p)
-        bucket_slot, offset = self._slot_of[p]
-        bucket_slot.flat[offset : offset + p.numel()].copy_(grad.reshape(-1))
-        bucket_slot.waiting -= 1
-        if bucket_slot.waiting == 0:
+        slot, offset = self._slot_of[p]
+        sparse = isinstance(slot.reducer, BucketReducer)
+        if sparse:
+            # Error feedback straight from p.grad into the residual: no bucket copy.
+            slot.reducer.accumulate(grad, offset, self._prescale)
+        else:
+            slot.flat[offset : offset + p.numel()].copy_(grad.reshape(-1))
+        slot.waiting -= 1
+        if slot.waiting == 0:
             # Last gradient of the bucket: start its reduce-scatter now, during backward.
-            bucket_slot.stage = bucket_slot.reducer.start(bucket_slot.flat, self._prescale)
+            if sparse:
+                slot.stage = slot.reducer.start(None)
+            else:
+                slot.stage = slot.reducer.start(slot.flat, self._prescale)
 
     # ------------------------------------------------------------------ public API
     def synchronize(self) -> None:
@@ -337,7 +345,8 @@ class SparseOptimizerMixin:
         for slot in self._buckets:
             slot.stage = slot.reducer.reduce_and_gather(slot.stage)
         for slot in self._buckets:
-            result = slot.reducer.finish(slot.stage, slot.flat, self._postscale)
+            # The bucket buffer is free again: the result is written into it.
+            result = slot.reducer.finish(slot.stage, slot.flat, self._postscale, out=slot.flat)
             for entry, p in zip(slot.bucket.entries, slot.params):
                 p.grad.copy_(result[entry.offset : entry.offset + entry.numel].view_as(p.grad))
             slot.stage = None
