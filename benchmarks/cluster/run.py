@@ -21,6 +21,22 @@ sys.path.insert(0, str(HERE))
 from cluster import PRESETS, Cluster, LinkSpec, require_root  # noqa: E402
 
 
+def benchmark_command(args: argparse.Namespace, density: float, result: Path) -> list[str]:
+    script = ROOT / "examples" / "pytorch" / "pytorch_synthetic_benchmark.py"
+    return [
+        sys.executable,
+        str(script),
+        "--model",
+        args.model,
+        "--density",
+        str(density),
+        "--batch-size",
+        str(args.batch_size),
+        "--json",
+        str(result),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
@@ -31,6 +47,11 @@ def main() -> None:
     parser.add_argument("--model", default="wide_mlp")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    parser.add_argument(
+        "--only-collectives",
+        action="store_true",
+        help="re-measure the collectives; reuse the training results already on disk",
+    )
     parser.add_argument("--out", default=str(ROOT / "results" / "cluster"))
     args = parser.parse_args()
     require_root()
@@ -40,31 +61,22 @@ def main() -> None:
     report = []
     for preset in args.presets.split(","):
         link = LinkSpec(PRESETS[preset].rate, args.delay_ms)
-        entry: dict = {"link": link.label, "ranks": args.ranks, "runs": {}}
-        with Cluster(args.ranks, link) as cluster:
-            micro = out.with_name(f"{out.name}.{link.label}.collectives.json")
-            cluster.run(
-                [sys.executable, str(HERE / "collectives.py"), str(micro)], args.timeout, env
-            )
-            entry["collectives"] = json.loads(micro.read_text())
-            for density in (1.0, args.density):
-                result = out.with_name(f"{out.name}.{link.label}.d{density}.json")
-                command = [
-                    sys.executable,
-                    str(ROOT / "examples/pytorch/pytorch_synthetic_benchmark.py"),
-                    "--model",
-                    args.model,
-                    "--density",
-                    str(density),
-                    "--batch-size",
-                    str(args.batch_size),
-                    "--json",
-                    str(result),
-                ]
-                code = cluster.run(command, args.timeout, env)
+        entry: dict = {"link": link.label, "ranks": args.ranks, "runs": {}, "collectives": []}
+        for size in (int(p) for p in args.collective_ranks.split(",")):
+            with Cluster(size, link) as cluster:
+                micro = out.with_name(f"{out.name}.{link.label}.np{size}.collectives.json")
+                command = [sys.executable, str(HERE / "collectives.py"), str(micro)]
+                if cluster.run(command, args.timeout, env) != 0:
+                    raise SystemExit(f"collective measurement failed on {link.label}, P={size}")
+                entry["collectives"].append(json.loads(micro.read_text()))
+        for density in (1.0, args.density):
+            result = out.with_name(f"{out.name}.{link.label}.d{density}.json")
+            if not args.only_collectives:
+                with Cluster(args.ranks, link) as cluster:
+                    code = cluster.run(benchmark_command(args, density, result), args.timeout, env)
                 if code != 0:
                     raise SystemExit(f"benchmark failed on {link.label} density {density}: {code}")
-                entry["runs"][str(density)] = json.loads(result.read_text())
+            entry["runs"][str(density)] = json.loads(result.read_text())
         dense, sparse = entry["runs"]["1.0"], entry["runs"][str(args.density)]
         entry["speedup"] = dense["median_step_s"] / sparse["median_step_s"]
         report.append(entry)

@@ -24,7 +24,7 @@ import horovod_sparse.torch as hvds
 
 
 class WideMLP(torch.nn.Module):
-    """About 33.6M parameters in two 4096-wide layers: little compute per byte."""
+    """25.1M parameters (1024 -> 4096 -> 4096 -> 1000): little compute per byte."""
 
     def __init__(self, features: int = 1024, width: int = 4096, classes: int = 1000) -> None:
         super().__init__()
@@ -41,7 +41,7 @@ class WideMLP(torch.nn.Module):
 
 
 class EmbeddingTransformer(torch.nn.Module):
-    """A small transformer with a 50k x 512 embedding (about 30M parameters)."""
+    """A small transformer with a tied 50k x 512 embedding: 32.0M parameters."""
 
     def __init__(self, vocab: int = 50_000, dim: int = 512, layers: int = 2) -> None:
         super().__init__()

@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--warmup-steps", type=int, default=0, help="dense steps first")
+    parser.add_argument("--decay-steps", type=int, default=0, help="density decay after warm-up")
     parser.add_argument("--json", default=None, help="write a summary here (rank 0)")
     args = parser.parse_args()
 
@@ -59,7 +61,11 @@ def main() -> None:
         mode = "dense (hvd.DistributedOptimizer)"
     else:
         optimizer = hvds.DistributedOptimizer(
-            optimizer, named_parameters=model.named_parameters(), density=args.density
+            optimizer,
+            named_parameters=model.named_parameters(),
+            density=args.density,
+            warmup_steps=args.warmup_steps,
+            density_decay_steps=args.decay_steps,
         )
         mode = f"sparse density={args.density}"
     numel = sum(p.numel() for p in model.parameters())
