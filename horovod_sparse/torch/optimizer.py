@@ -20,6 +20,7 @@ import horovod.torch as hvd
 import torch
 
 from horovod_sparse.common.buckets import Bucket, plan_buckets
+from horovod_sparse.common.classes import combined_class
 from horovod_sparse.common.config import SparseConfig, optimizer_scales
 from horovod_sparse.common.pipeline import (
     BucketReducer,
@@ -477,21 +478,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-_COMBINED: dict[type, type] = {}
-
-
-def _sparse_class(base: type) -> type:
-    """``SparseOptimizerMixin`` combined with ``base`` (cached, importable by name)."""
-    if base not in _COMBINED:
-        name = f"Sparse{base.__name__}"
-        cls = type(
-            name, (SparseOptimizerMixin, base), {"__module__": __name__, "__qualname__": name}
-        )
-        _COMBINED[base] = cls
-        globals().setdefault(name, cls)  # so pickle finds it
-    return _COMBINED[base]
-
-
 def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -536,7 +522,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
         >>> loss.backward(); opt.step()
         >>> opt.stats().bytes_sent
     """
-    cls = _sparse_class(type(optimizer))
+    cls = combined_class(SparseOptimizerMixin, type(optimizer), __name__)
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._setup_sparse(

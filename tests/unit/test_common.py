@@ -105,3 +105,25 @@ def test_stats_accumulate():
     assert (total.bytes_sent, total.bytes_received, total.dense_bytes) == (11, 22, 330)
     assert math.isclose(total.density, 0.02)
     assert math.isclose(total.compression_ratio, 330 / 33)
+
+
+def test_combined_class_is_a_cached_real_subclass():
+    import pickle
+
+    from horovod_sparse.common.classes import combined_class
+
+    class Mixin:
+        def hello(self):
+            return "mixin+" + super().hello()
+
+    cls = combined_class(Mixin, Base, __name__)
+    assert cls is combined_class(Mixin, Base, __name__)
+    assert cls.__name__ == "SparseBase" and issubclass(cls, Mixin) and issubclass(cls, Base)
+    assert cls().hello() == "mixin+base"
+    assert globals()["SparseBase"] is cls  # published, so pickle can find it
+    assert type(pickle.loads(pickle.dumps(cls()))) is cls
+
+
+class Base:
+    def hello(self):
+        return "base"

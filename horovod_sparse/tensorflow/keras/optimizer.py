@@ -16,6 +16,7 @@ import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 
+from horovod_sparse.common.classes import combined_class
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.tensorflow.reducer import GradientReducer, tf_config
 
@@ -145,21 +146,6 @@ class SparseOptimizerMixin:
         return config
 
 
-_COMBINED: dict[type, type] = {}
-
-
-def _sparse_class(base: type) -> type:
-    """``SparseOptimizerMixin`` combined with ``base`` (cached, importable by name)."""
-    if base not in _COMBINED:
-        name = f"Sparse{base.__name__}"
-        cls = type(
-            name, (SparseOptimizerMixin, base), {"__module__": __name__, "__qualname__": name}
-        )
-        _COMBINED[base] = keras.saving.register_keras_serializable(package="horovod_sparse")(cls)
-        globals().setdefault(name, cls)
-    return _COMBINED[base]
-
-
 def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     optimizer: keras.optimizers.Optimizer,
     name: str | None = None,
@@ -197,7 +183,8 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
-    cls = _sparse_class(type(optimizer))
+    register = keras.saving.register_keras_serializable(package="horovod_sparse")
+    cls = combined_class(SparseOptimizerMixin, type(optimizer), __name__, register)
     return cls(
         **config,
         density=density,
