@@ -124,6 +124,8 @@ def recall_run(steps: int, selection: str) -> dict:
         str(HERE / "selection_recall.py"),
         "--steps",
         str(steps),
+        "--selection",
+        selection,
         "--out",
         str(out),
     ]
