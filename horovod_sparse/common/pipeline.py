@@ -273,10 +273,18 @@ class BucketReducer:
             acc["extra_bytes"],
         ]
 
-    def stats_from_counts(self, counts: list[float]) -> StepStats:
-        """:class:`StepStats` from host values of :meth:`step_counts`."""
+    def step_record(self) -> tuple[list[Any], dict[str, Any]]:
+        """The last step's figures without reading the device: pass them, converted
+        to host numbers, to :meth:`stats_from_counts` whenever statistics are wanted."""
+        return self.step_counts(), dict(self._accounting)
+
+    def stats_from_counts(
+        self, counts: list[float], accounting: dict[str, Any] | None = None
+    ) -> StepStats:
+        """:class:`StepStats` from host values of :meth:`step_counts` (and the
+        accounting of the same step, default: the last one)."""
         rs_sent, rs_received, total, own, next_rows, select, exchange, dense, extra = counts
-        acc = self._accounting
+        acc = self._accounting if accounting is None else accounting
         dense_sent, dense_received = allreduce_ring_bytes(
             self.numel, self.world_size, self.ops.itemsize(self.residual)
         )
@@ -389,7 +397,12 @@ class DenseBucketReducer:
         """The one measured figure of a dense step: seconds in the exchange."""
         return [self._seconds]
 
-    def stats_from_counts(self, counts: list[float]) -> StepStats:
+    def step_record(self) -> tuple[list[Any], dict[str, Any]]:
+        return self.step_counts(), {}
+
+    def stats_from_counts(
+        self, counts: list[float], accounting: dict[str, Any] | None = None
+    ) -> StepStats:
         (seconds,) = counts
         sent, received = allreduce_ring_bytes(self.numel, self.world_size, self._wire_itemsize)
         dense_sent, dense_received = allreduce_ring_bytes(

@@ -187,7 +187,7 @@ class SparseOptimizerMixin:
         self._passes_left = {p: self.backward_passes_per_step for _, p in named}
         self._should_synchronize = True
         self._synchronized = False
-        self._step_stats = StepStats()
+        self._step_records: list[tuple[Any, list[Any], dict[str, Any]]] = []
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
         ]
@@ -341,7 +341,6 @@ class SparseOptimizerMixin:
         for p, left in self._passes_left.items():
             if left > 0:
                 self._submit(p)
-        total = StepStats()
         # Finish every reduce-scatter and launch every all-gather before waiting for any.
         for slot in self._buckets:
             slot.stage = slot.reducer.reduce_and_gather(slot.stage)
@@ -351,8 +350,8 @@ class SparseOptimizerMixin:
             for entry, p in zip(slot.bucket.entries, slot.params):
                 p.grad.copy_(result[entry.offset : entry.offset + entry.numel].view_as(p.grad))
             slot.stage = None
-            total += slot.reducer.last_stats()
-        self._step_stats = total
+        # Keep the raw figures; stats() reads them, so a step adds no device-to-host sync.
+        self._step_records = [(slot.reducer, *slot.reducer.step_record()) for slot in self._buckets]
         self._begin_step()
         self._synchronized = True
 
@@ -388,7 +387,11 @@ class SparseOptimizerMixin:
 
     def stats(self) -> StepStats:
         """Statistics of the last synchronized step, summed over buckets and dense tensors."""
-        return self._step_stats
+        total = StepStats()
+        for reducer, counts, accounting in self._step_records:
+            values = [BACKEND.to_host_number(c) for c in counts]
+            total += reducer.stats_from_counts(values, accounting)
+        return total
 
     def residuals(self) -> dict[str, torch.Tensor]:
         """This rank's residual per bucket name (flat buffers; read-only views)."""
