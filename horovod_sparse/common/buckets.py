@@ -46,17 +46,9 @@ class Bucket:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """Buckets plus a name -> (bucket index, entry) lookup."""
+    """The buckets, in readiness order."""
 
     buckets: tuple[Bucket, ...]
-
-    def locate(self, name: str) -> tuple[int, BucketEntry]:
-        """Return ``(bucket index, entry)`` of the tensor called ``name``."""
-        for bucket in self.buckets:
-            for entry in bucket.entries:
-                if entry.name == name:
-                    return bucket.index, entry
-        raise KeyError(name)
 
 
 def plan_buckets(

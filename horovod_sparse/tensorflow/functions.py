@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from horovod_sparse.common.config import SparseConfig, reduction_scales
 from horovod_sparse.common.pipeline import BucketReducer
+from horovod_sparse.common.registry import NamedReducers
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.tensorflow.reducer import (
     BACKEND,
@@ -26,28 +27,21 @@ from horovod_sparse.tensorflow.reducer import (
 
 __all__ = ["reset_residuals", "residual_variables", "sparse_allreduce", "stats"]
 
-_STATES: dict[tuple[str, int], BucketState] = {}
+_STATES: NamedReducers[BucketState] = NamedReducers(lambda state: state.reducer)
 
 
 def _state_for(
     name: str, numel: int, dtype: tf.DType, config: SparseConfig, process_set: Any, compression: Any
 ) -> BucketState:
-    key = (name, id(process_set))
-    state = _STATES.get(key)
-    if state is not None and state.reducer.numel != numel:
-        raise ValueError(
-            f"sparse_allreduce({name!r}): size changed from {state.reducer.numel} to {numel}; "
-            "use a new name for a different tensor"
-        )
-    if state is None or state.reducer.config != config:
+    def create(previous: BucketState | None) -> BucketState:
         like = tf.zeros([0], dtype)
         reducer = BucketReducer(
             BACKEND, f"hvds.tf.{name}", numel, like, config, process_set, compression
         )
-        # A new density keeps the residual: the mass owed does not depend on the budget.
-        residual = state.residual if state is not None else _plain_residual(numel, dtype, name)
-        state = BucketState(reducer, residual, make_counts_variable())
-        _STATES[key] = state
+        residual = previous.residual if previous else _plain_residual(numel, dtype, name)
+        return BucketState(reducer, residual, make_counts_variable())
+
+    state = _STATES.obtain(name, process_set, numel, config, create)
     state.reducer.compression = compression
     return state
 
@@ -102,15 +96,12 @@ def sparse_allreduce(
 
 def stats(name: str, process_set: Any = hvd.global_process_set) -> StepStats:
     """Statistics of the last :func:`sparse_allreduce` under ``name`` (call eagerly)."""
-    key = (name, id(process_set))
-    if key not in _STATES:
-        raise KeyError(f"no sparse_allreduce has run under name {name!r}")
-    return _STATES[key].stats()
+    return _STATES.find(name, process_set).stats()
 
 
 def residual_variables(process_set: Any = hvd.global_process_set) -> dict[str, tf.Variable]:
     """Residual variable per name, e.g. ``tf.train.Checkpoint(**residual_variables())``."""
-    return {name: s.residual for (name, ps), s in _STATES.items() if ps == id(process_set)}
+    return {name: state.residual for name, state in _STATES.items(process_set)}
 
 
 def reset_residuals() -> None:

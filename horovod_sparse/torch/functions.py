@@ -14,6 +14,7 @@ import torch
 
 from horovod_sparse.common.config import SparseConfig, reduction_scales
 from horovod_sparse.common.pipeline import BucketReducer, GatherInFlight, ScatterInFlight
+from horovod_sparse.common.registry import NamedReducers
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.torch.backend import TorchBackend
 
@@ -28,8 +29,8 @@ __all__ = [
 ]
 
 BACKEND = TorchBackend()
-_REDUCERS: dict[tuple[str, int], BucketReducer] = {}
-_LAST_NAME: list[tuple[str, int]] = []
+_REDUCERS: NamedReducers[BucketReducer] = NamedReducers(lambda reducer: reducer)
+_LAST_NAME: list[str] = []
 
 
 def op_name(op: Any) -> str:
@@ -110,25 +111,19 @@ def sparse_allreduce_async(
         op_name(op), process_set.size(), prescale_factor, postscale_factor
     )
     flat = tensor.detach().reshape(-1)
-    key = (name, id(process_set))
-    reducer = _REDUCERS.get(key)
-    if reducer is not None and reducer.numel != flat.numel():
-        raise ValueError(
-            f"sparse_allreduce({name!r}): size changed from {reducer.numel} to {flat.numel()}; "
-            "use a new name for a different tensor"
-        )
-    if reducer is None or reducer.config != config:
-        # A new density keeps the residual: the mass owed does not depend on the budget.
-        kept_residual = reducer.residual if reducer is not None else None
-        reducer = BucketReducer(
+
+    def create(previous: BucketReducer | None) -> BucketReducer:
+        fresh = BucketReducer(
             BACKEND, f"hvds.{name}", flat.numel(), flat, config, process_set, compression
         )
-        if kept_residual is not None:
-            reducer.residual = kept_residual
-        _REDUCERS[key] = reducer
+        if previous is not None:
+            fresh.residual = previous.residual
+        return fresh
+
+    reducer = _REDUCERS.obtain(name, process_set, flat.numel(), config, create)
     reducer.compression = compression
     stage = reducer.start(flat, prescale)
-    _LAST_NAME[:] = [key]
+    _LAST_NAME[:] = [name]
     return SparseHandle(reducer, stage, flat, tensor.shape, postscale)
 
 
@@ -177,15 +172,14 @@ def sparse_allreduce(
 
 def stats(name: str | None = None, process_set: Any = hvd.global_process_set) -> StepStats:
     """Statistics of the last completed :func:`sparse_allreduce` (of ``name`` if given)."""
-    key = (name, id(process_set)) if name is not None else (_LAST_NAME[0] if _LAST_NAME else None)
-    if key not in _REDUCERS:
-        raise KeyError(f"no sparse_allreduce has completed under name {name!r}")
-    return _REDUCERS[key].last_stats()
+    if name is None and not _LAST_NAME:
+        raise KeyError("no sparse_allreduce has completed yet")
+    return _REDUCERS.find(name if name is not None else _LAST_NAME[0], process_set).last_stats()
 
 
 def residual(name: str, process_set: Any = hvd.global_process_set) -> torch.Tensor:
     """This rank's current residual for ``name`` (flat)."""
-    return _REDUCERS[(name, id(process_set))].residual
+    return _REDUCERS.find(name, process_set).residual
 
 
 def reset_residuals() -> None:
