@@ -58,6 +58,9 @@ class SparseConfig:
         warmup_steps: first steps exchanged densely (residuals folded in).
         density_decay_steps: after warm-up, steps over which the density decays
             geometrically from 1 to ``density`` (as in DGC); 0 jumps straight to it.
+        error_feedback: keep unsent entries in the residual for later steps. ``False``
+            drops them at the end of every step; it exists for ablation studies and
+            loses gradient mass by design.
     """
 
     density: float = 0.01
@@ -69,6 +72,7 @@ class SparseConfig:
     repartition_steps: int = 50
     warmup_steps: int = 0
     density_decay_steps: int = 0
+    error_feedback: bool = True
 
     def __post_init__(self) -> None:
         density = self.density

@@ -95,6 +95,9 @@ class BucketReducer:
         self.boundaries = self.partitioner.boundaries(numel, self.world_size)
         self.residual = ops.zeros(numel, like)
         self.step = 0  # steps started; drives the density schedule and the re-estimates
+        # An adapter's momentum-correction velocity over the bucket, or None: entries this
+        # rank selects are zeroed in it too (momentum factor masking).
+        self.velocity: Tensor | None = None
         self.k = config.budget(numel)  # budget of the current step
         self._accounting: dict[str, Any] = {}
 
@@ -130,6 +133,8 @@ class BucketReducer:
         indices = self.selection.select(ops, accumulator, self.k)
         values = ops.take(accumulator, indices)
         self.residual = ops.zero_at(accumulator, indices)
+        if self.velocity is not None:
+            self.velocity = ops.zero_at(self.velocity, indices)
         wire, ctx, lost = ops.compress(values, self.compression)
         if lost is not None:
             # Lossy compression: the rounding stays here instead of vanishing.
@@ -251,6 +256,9 @@ class BucketReducer:
         acc["gather_next"] = ops.count_in_range(
             indices, self.boundaries[nxt], self.boundaries[nxt + 1]
         )
+        if not self.config.error_feedback:
+            # Ablation only: what was not sent this step is forgotten.
+            self.residual = ops.scale(self.residual, 0.0)
         return result
 
     # ---------------------------------------------------------------- stats

@@ -30,6 +30,7 @@ from horovod_sparse.common.pipeline import (
 )
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.torch.functions import BACKEND, op_name
+from horovod_sparse.torch.momentum import MomentumCorrection, wants_momentum_correction
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
 
@@ -44,6 +45,7 @@ class _BucketSlot:
     params: list[torch.Tensor]
     flat: torch.Tensor
     reducer: BucketReducer | DenseBucketReducer
+    velocity: torch.Tensor | None = None  # momentum correction's velocity over the bucket
     waiting: int = 0  # members whose gradient has not arrived this step
     stage: ScatterInFlight | GatherInFlight | None = None
 
@@ -78,6 +80,8 @@ class SparseOptimizerMixin:
         density_decay_steps: int = 0,
         reestimate_steps: int = 10,
         repartition_steps: int = 50,
+        error_feedback: bool = True,
+        momentum_correction: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(params, *args, **kwargs)
@@ -91,6 +95,7 @@ class SparseOptimizerMixin:
             groups=groups,
             sparse_as_dense=sparse_as_dense,
             process_set=process_set,
+            momentum_correction=momentum_correction,
             config_knobs=dict(
                 density=density,
                 min_sparse_numel=min_sparse_numel,
@@ -101,6 +106,7 @@ class SparseOptimizerMixin:
                 density_decay_steps=density_decay_steps,
                 reestimate_steps=reestimate_steps,
                 repartition_steps=repartition_steps,
+                error_feedback=error_feedback,
             ),
         )
 
@@ -117,6 +123,7 @@ class SparseOptimizerMixin:
         groups: Any,
         sparse_as_dense: bool,
         process_set: Any,
+        momentum_correction: bool | None,
         config_knobs: dict[str, Any],
     ) -> None:
         if not process_set.included():
@@ -136,6 +143,9 @@ class SparseOptimizerMixin:
                 op_name(op), process_set.size(), float(gradient_predivide_factor)
             )
             named = self._name_parameters(named_parameters)
+            corrected = wants_momentum_correction(
+                self, momentum_correction, config.density < 1.0 or config.warmup_steps > 0
+            )
         except (TypeError, ValueError) as error:
             problem = error
         self._validate_across_ranks(named, problem, process_set)
@@ -166,6 +176,7 @@ class SparseOptimizerMixin:
             describe(large), config.bucket_bytes, self._group_names(groups, num_groups, large)
         )
         dense_plan = plan_buckets(describe(small), config.bucket_bytes, kind="dense")
+        self._momentum = MomentumCorrection(self) if corrected else None
         self._buckets: list[_BucketSlot] = []
         self._slot_of: dict[torch.Tensor, tuple[_BucketSlot, int]] = {}
         for bucket in sparse_plan.buckets + dense_plan.buckets:
@@ -184,6 +195,12 @@ class SparseOptimizerMixin:
             self._buckets.append(slot)
             for entry, p in zip(bucket.entries, params):
                 self._slot_of[p] = (slot, entry.offset)
+            if self._momentum is not None:
+                slot.velocity = torch.zeros_like(flat)
+                if isinstance(reducer, BucketReducer):
+                    reducer.velocity = slot.velocity
+                for entry, p in zip(bucket.entries, params):
+                    self._momentum.attach(p, slot.velocity, entry.offset)
         self._passes_left = {p: self.backward_passes_per_step for _, p in named}
         self._should_synchronize = True
         self._synchronized = False
@@ -309,6 +326,8 @@ class SparseOptimizerMixin:
     def _submit(self, p: torch.Tensor) -> None:
         self._passes_left[p] = 0
         grad = self._dense_grad(p)
+        if self._momentum is not None:
+            grad = self._momentum.update(p, grad)
         slot, offset = self._slot_of[p]
         sparse = isinstance(slot.reducer, BucketReducer)
         if sparse:
@@ -352,6 +371,8 @@ class SparseOptimizerMixin:
             slot.stage = None
         # Keep the raw figures; stats() reads them, so a step adds no device-to-host sync.
         self._step_records = [(slot.reducer, *slot.reducer.step_record()) for slot in self._buckets]
+        if self._momentum is not None:
+            self._momentum.end_step()
         self._begin_step()
         self._synchronized = True
 
@@ -374,7 +395,10 @@ class SparseOptimizerMixin:
                 )
             self.synchronize()
         self._synchronized = False
-        return super().step(closure)
+        if self._momentum is None:
+            return super().step(closure)
+        with self._momentum.plain_step():
+            return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if any(slot.stage is not None for slot in self._buckets):
@@ -397,6 +421,18 @@ class SparseOptimizerMixin:
         """This rank's residual per bucket name (flat buffers; read-only views)."""
         return {slot.bucket.name: slot.reducer.residual for slot in self._sparse_slots()}
 
+    def velocities(self) -> dict[str, torch.Tensor]:
+        """This rank's momentum-correction velocity per bucket name (flat buffers;
+        read-only views); empty when momentum correction is off."""
+        if self._momentum is None:
+            return {}
+        return {slot.bucket.name: slot.velocity for slot in self._buckets}
+
+    @property
+    def momentum_correction(self) -> bool:
+        """Whether SGD's momentum runs in front of the exchange (see ``torch/momentum.py``)."""
+        return self._momentum is not None
+
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state plus, per sparse bucket, this rank's residual,
         step count, selection state (threshold) and partition boundaries.
@@ -414,6 +450,13 @@ class SparseOptimizerMixin:
                 for slot in self._sparse_slots()
             },
         }
+        if self._momentum is not None:
+            state[_STATE_KEY]["momentum"] = {
+                **self._momentum.state_dict(),
+                "velocities": {
+                    slot.bucket.name: slot.velocity.detach().clone() for slot in self._buckets
+                },
+            }
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -440,6 +483,23 @@ class SparseOptimizerMixin:
             slot.reducer.load_state_dict(saved, residual=same_place)
             if not same_place:
                 slot.reducer.residual.zero_()
+        self._load_momentum_state(sparse_state.get("momentum"), same_place)
+
+    def _load_momentum_state(self, saved: dict[str, Any] | None, same_place: bool) -> None:
+        """Velocities are per rank like residuals: restored in place, else zero."""
+        if self._momentum is None:
+            return
+        if saved is None:
+            raise ValueError(
+                "checkpoint has no momentum-correction state; it was saved with "
+                "momentum_correction off, so load it with momentum_correction=False"
+            )
+        self._momentum.load_state_dict(saved)
+        for slot in self._buckets:
+            if same_place:
+                slot.velocity.copy_(saved["velocities"][slot.bucket.name])
+            else:
+                slot.velocity.zero_()
 
     def _sparse_slots(self) -> list[_BucketSlot]:
         return [s for s in self._buckets if isinstance(s.reducer, BucketReducer)]
@@ -502,6 +562,8 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     density_decay_steps: int = 0,
     reestimate_steps: int = 10,
     repartition_steps: int = 50,
+    error_feedback: bool = True,
+    momentum_correction: bool | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so its gradients are reduced by sparse allreduce.
 
@@ -538,6 +600,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
         groups=groups,
         sparse_as_dense=sparse_as_dense,
         process_set=process_set,
+        momentum_correction=momentum_correction,
         config_knobs=dict(
             density=density,
             min_sparse_numel=min_sparse_numel,
@@ -548,6 +611,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
             density_decay_steps=density_decay_steps,
             reestimate_steps=reestimate_steps,
             repartition_steps=repartition_steps,
+            error_feedback=error_feedback,
         ),
     )
     return wrapped

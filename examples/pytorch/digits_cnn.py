@@ -1,0 +1,177 @@
+"""Train a small CNN on scikit-learn's bundled 8x8 digits, with sparse or dense allreduce.
+
+Run with 2 ranks:
+    horovodrun -np 2 -H localhost:2 --gloo python examples/pytorch/digits_cnn.py --density 0.01
+    horovodrun -np 2 -H localhost:2 --gloo python examples/pytorch/digits_cnn.py --density 1.0
+
+The data ships with scikit-learn (no download). The split is fixed: 1437 training and
+360 test images (``train_test_split(test_size=0.2, random_state=0)``); rank r trains on
+every P-th training image starting at r. The optimizer is SGD with momentum 0.9 and
+the learning rate scaled by the number of ranks, as Horovod recommends.
+
+``--density 1.0`` uses Horovod's own ``hvd.DistributedOptimizer`` (the dense baseline);
+anything below uses ``horovod_sparse.torch.DistributedOptimizer`` with its defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import horovod.torch as hvd
+import torch
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import horovod_sparse.torch as hvds
+from horovod_sparse.common.stats import allreduce_ring_bytes
+
+
+class DigitsCNN(torch.nn.Module):
+    """Two 3x3 convolutions, a max-pool and two linear layers: 151,306 parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 32, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(32, 64, 3, padding=1)
+        self.fc1 = torch.nn.Linear(64 * 4 * 4, 128)
+        self.fc2 = torch.nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv1(x))
+        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+
+def load_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fixed train/test split, images scaled to [0, 1] as (N, 1, 8, 8)."""
+    digits = load_digits()
+    x_train, x_test, y_train, y_test = train_test_split(
+        digits.images, digits.target, test_size=0.2, random_state=0, stratify=digits.target
+    )
+
+    def images(a):
+        return torch.tensor(a, dtype=torch.float32).unsqueeze(1) / 16.0
+
+    def labels(a):
+        return torch.tensor(a, dtype=torch.int64)
+
+    return images(x_train), labels(y_train), images(x_test), labels(y_test)
+
+
+def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    model.eval()
+    with torch.no_grad():
+        correct = (model(x).argmax(-1) == y).sum().item()
+    model.train()
+    return 100.0 * correct / len(y)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--no-error-feedback", action="store_true", help="ablation")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--lr", type=float, default=0.02, help="per rank; scaled by P")
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--json", default=None, help="write the curves here (rank 0)")
+    args = parser.parse_args()
+
+    hvd.init()
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    x_train, y_train, x_test, y_test = load_split()
+    x_mine, y_mine = x_train[hvd.rank() :: hvd.size()], y_train[hvd.rank() :: hvd.size()]
+
+    model = DigitsCNN()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=args.momentum)
+    if args.density >= 1.0:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        mode = "dense"
+    else:
+        optimizer = hvds.DistributedOptimizer(
+            optimizer,
+            named_parameters=model.named_parameters(),
+            density=args.density,
+            error_feedback=not args.no_error_feedback,
+        )
+        mode = f"density {args.density}" + (" no EF" if args.no_error_feedback else "")
+    numel = sum(p.numel() for p in model.parameters())
+    dense_bytes = sum(allreduce_ring_bytes(numel, hvd.size(), 4))
+
+    order = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
+    perm, cursor = torch.randperm(len(x_mine), generator=order), 0
+    curve: list[dict[str, float]] = []
+    moved = []
+    began = time.perf_counter()
+    for step in range(args.steps):
+        if cursor + args.batch_size > len(perm):
+            perm, cursor = torch.randperm(len(x_mine), generator=order), 0
+        batch = perm[cursor : cursor + args.batch_size]
+        cursor += args.batch_size
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x_mine[batch]), y_mine[batch])
+        loss.backward()
+        optimizer.step()
+        moved.append(
+            dense_bytes
+            if args.density >= 1.0
+            else optimizer.stats().bytes_sent + optimizer.stats().bytes_received
+        )
+        last = step == args.steps - 1
+        if step % args.eval_every == 0 or last:
+            train_loss = hvd.allreduce(loss.detach(), name="train_loss").item()
+            point = {
+                "step": step,
+                "train_loss": train_loss,
+                "test_acc": accuracy(model, x_test, y_test),
+            }
+            curve.append(point)
+            if hvd.rank() == 0:
+                print(
+                    f"[{mode}] step {step:4d} loss {train_loss:.4f} "
+                    f"test acc {point['test_acc']:.2f}% bytes/step {moved[-1]:,}",
+                    flush=True,
+                )
+    # Every rank must hold the same parameters.
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    spread = (
+        (
+            hvd.allreduce(flat, op=hvd.Max, name="pmax")
+            - hvd.allreduce(flat, op=hvd.Min, name="pmin")
+        )
+        .abs()
+        .max()
+        .item()
+    )
+    summary = {
+        "task": "digits_cnn",
+        "mode": mode,
+        "density": args.density,
+        "error_feedback": not args.no_error_feedback,
+        "world_size": hvd.size(),
+        "parameters": numel,
+        "steps": args.steps,
+        "seed": args.seed,
+        "final_test_acc": curve[-1]["test_acc"],
+        "final_train_loss": curve[-1]["train_loss"],
+        "bytes_per_step": sum(moved) / len(moved),
+        "dense_bytes_per_step": dense_bytes,
+        "parameter_spread": spread,
+        "seconds": time.perf_counter() - began,
+        "curve": curve,
+    }
+    if hvd.rank() == 0:
+        print(json.dumps({k: v for k, v in summary.items() if k != "curve"}))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f)
+
+
+if __name__ == "__main__":
+    main()

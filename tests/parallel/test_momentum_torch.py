@@ -1,0 +1,150 @@
+"""Momentum correction: dense-equivalent at density 1, exact against the reference below it."""
+
+import horovod.torch as hvd
+import numpy as np
+import pytest
+import torch
+
+import horovod_sparse.torch as hvds
+from horovod_sparse.common.config import budget
+from tests.reference import reference_step, uniform_boundaries
+
+hvd.init()
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(42)  # identical initial weights on every rank
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 10),
+    )
+
+
+def train(model, opt, steps):
+    for step in range(steps):
+        g = torch.Generator().manual_seed(7919 * step + 31 * hvd.rank())
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+SGD_SETTINGS = {
+    "momentum": dict(momentum=0.9),
+    "nesterov_wd": dict(momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "dampening_maximize": dict(momentum=0.8, dampening=0.1, maximize=True),
+}
+
+
+@pytest.mark.parametrize("settings", SGD_SETTINGS.values(), ids=SGD_SETTINGS.keys())
+def test_correction_at_density_one_equals_dense_momentum_sgd(settings):
+    sparse_model, dense_model = mlp(), mlp()
+    sparse_opt = hvds.DistributedOptimizer(
+        torch.optim.SGD(sparse_model.parameters(), lr=0.05, **settings),
+        sparse_model.named_parameters(),
+        density=1.0,
+        momentum_correction=True,
+    )
+    assert sparse_opt.momentum_correction
+    dense_opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(dense_model.parameters(), lr=0.05, **settings),
+        dense_model.named_parameters(),
+    )
+    train(sparse_model, sparse_opt, 15)
+    train(dense_model, dense_opt, 15)
+    for p, q in zip(sparse_model.parameters(), dense_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    # The wrapped SGD's own settings are back after every step.
+    group = sparse_opt.param_groups[0]
+    assert group["momentum"] == settings["momentum"]
+    assert group["weight_decay"] == settings.get("weight_decay", 0.0)
+
+
+def test_auto_turns_on_for_sparse_momentum_sgd_only():
+    model = mlp()
+    on = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    plain = hvds.DistributedOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1))
+    adam = hvds.DistributedOptimizer(torch.optim.Adam(mlp().parameters()))
+    dense = hvds.DistributedOptimizer(
+        torch.optim.SGD(mlp().parameters(), lr=0.1, momentum=0.9), density=1.0
+    )
+    off = hvds.DistributedOptimizer(
+        torch.optim.SGD(mlp().parameters(), lr=0.1, momentum=0.9), momentum_correction=False
+    )
+    assert on.momentum_correction
+    assert not any(o.momentum_correction for o in (plain, adam, dense, off))
+
+
+def test_corrected_updates_match_reference_and_mask_velocity():
+    """The exchange carries m * velocity + grad; sent entries leave the velocity."""
+    torch.manual_seed(1)
+    model = torch.nn.Linear(100, 200, bias=False)  # one bucket of 20000
+    density, numel, momentum = 0.02, 20_000, 0.9
+    opt = hvds.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0, momentum=momentum),
+        model.named_parameters(),
+        density=density,
+        selection="exact",
+    )
+    (name,) = opt.residuals()
+    k = budget(numel, density)
+    residual, velocity = torch.zeros(numel), torch.zeros(numel)
+    masked_total = 0
+    for step in range(6):
+        g = torch.Generator().manual_seed(step * 17 + hvd.rank())
+        x, c = torch.randn(8, 100, generator=g), torch.randn(8, 200, generator=g)
+        opt.zero_grad()
+        (model(x) * c).sum().backward()
+        grad = (c.t() @ x).reshape(-1)
+        update = grad.clone() if step == 0 else momentum * velocity + grad
+        acc = residual + update
+        everyone = hvd.allgather(acc.reshape(1, -1), name=f"mc.acc.{step}")
+        opt.synchronize()
+        ref = reference_step(
+            [a.numpy() for a in everyone], k, uniform_boundaries(numel, hvd.size())
+        )
+        got = model.weight.grad.reshape(-1).numpy()
+        np.testing.assert_array_equal(np.flatnonzero(got), ref.selected)
+        np.testing.assert_allclose(got, ref.result_sum / hvd.size(), rtol=1e-5, atol=1e-6)
+        residual = opt.residuals()[name].clone()
+        np.testing.assert_allclose(
+            residual.numpy(), ref.residuals[hvd.rank()], rtol=1e-5, atol=1e-5
+        )
+        # Momentum factor masking: this rank's locally selected entries leave the velocity.
+        sent = np.argsort(-np.abs(acc.numpy()), kind="stable")[:k]
+        expected_velocity = update.clone()
+        expected_velocity[sent] = 0
+        velocity = opt.velocities()[name].clone()
+        np.testing.assert_allclose(
+            velocity.numpy(), expected_velocity.numpy(), rtol=1e-6, atol=1e-6
+        )
+        masked_total += int((velocity == 0).sum())
+        with opt.skip_synchronize():
+            opt.step()
+    assert masked_total >= 6 * k
+
+
+def test_checkpoint_carries_velocities():
+    def make():
+        model = mlp()
+        opt = hvds.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            model.named_parameters(),
+            density=0.05,
+        )
+        return model, opt
+
+    model_a, opt_a = make()
+    train(model_a, opt_a, 5)
+    saved = opt_a.state_dict()
+    assert set(saved["horovod_sparse"]["momentum"]["velocities"]) == set(opt_a.velocities())
+    model_b, opt_b = make()
+    model_b.load_state_dict(model_a.state_dict())
+    opt_b.load_state_dict(saved)
+    train(model_a, opt_a, 5)
+    train(model_b, opt_b, 5)
+    for p, q in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(p, q)
