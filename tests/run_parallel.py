@@ -94,6 +94,9 @@ def launch(
         except subprocess.TimeoutExpired:
             timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)
+            # horovodrun starts each worker in a session of its own: find them by the
+            # report directory on their command line, or they would spin on.
+            subprocess.run(["pkill", "-9", "-f", str(report_dir)], check=False)
             output, _ = proc.communicate()
         elapsed = time.monotonic() - start
         outcomes, problems = parse_reports(report_dir, world_size)

@@ -21,9 +21,11 @@ class DistributedGradientTape(tf.GradientTape):
 
     Accepts every argument of ``hvd.DistributedGradientTape`` with the same meaning
     (``device_dense``/``device_sparse`` are accepted for compatibility; placement follows
-    the gradients), plus ``density``, ``min_sparse_numel`` and ``fusion_threshold_bytes``.
-    Residuals are ``tf.Variable``s that persist across tapes, keyed by ``name`` and the
-    list of sources; :meth:`residual_variables` returns them for a checkpoint.
+    the gradients), plus ``density``, ``min_sparse_numel``, ``fusion_threshold_bytes`` and
+    ``error_feedback``. Residuals are ``tf.Variable``s that persist across tapes, keyed by
+    ``name`` and the list of sources; :meth:`residual_variables` returns them for a
+    checkpoint. ``error_feedback=False`` zeroes the residuals at the end of every step
+    (ablation only: unsent entries are dropped, which loses gradient mass).
 
     Example:
         >>> with tf.GradientTape() as tape:
@@ -48,6 +50,7 @@ class DistributedGradientTape(tf.GradientTape):
         density: float = 0.01,
         min_sparse_numel: int = 1024,
         fusion_threshold_bytes: int | None = None,
+        error_feedback: bool = True,
         name: str = "tape",
     ) -> None:
         super().__init__(
@@ -62,6 +65,7 @@ class DistributedGradientTape(tf.GradientTape):
             density=density,
             min_sparse_numel=min_sparse_numel,
             fusion_threshold_bytes=fusion_threshold_bytes,
+            error_feedback=error_feedback,
         )
         self._options = dict(
             op=op,

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import uuid
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import horovod.torch as hvd
@@ -30,7 +31,7 @@ from horovod_sparse.common.pipeline import (
 )
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.torch.functions import BACKEND, op_name
-from horovod_sparse.torch.momentum import MomentumCorrection, wants_momentum_correction
+from horovod_sparse.torch.momentum import Correction, make_correction
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
 
@@ -45,7 +46,8 @@ class _BucketSlot:
     params: list[torch.Tensor]
     flat: torch.Tensor
     reducer: BucketReducer | DenseBucketReducer
-    velocity: torch.Tensor | None = None  # momentum correction's velocity over the bucket
+    # Momentum correction's state over the bucket (e.g. "velocity"), flat like ``flat``.
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     waiting: int = 0  # members whose gradient has not arrived this step
     stage: ScatterInFlight | GatherInFlight | None = None
 
@@ -143,7 +145,7 @@ class SparseOptimizerMixin:
                 op_name(op), process_set.size(), float(gradient_predivide_factor)
             )
             named = self._name_parameters(named_parameters)
-            corrected = wants_momentum_correction(
+            correction = make_correction(
                 self, momentum_correction, config.density < 1.0 or config.warmup_steps > 0
             )
         except (TypeError, ValueError) as error:
@@ -159,7 +161,11 @@ class SparseOptimizerMixin:
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self._prescale, self._postscale = prescale, postscale
+        self._world_size = process_set.size()
         self._param_names = {p: n for n, p in named}
+        # Identifies this optimizer's own saved states (elastic commit/restore), whose
+        # residuals belong to this process whatever its rank is now.
+        self._owner_token = uuid.uuid4().hex
 
         # Internal state: sparse buckets for large tensors, dense buckets for small ones.
         large = [(n, p) for n, p in named if p.numel() >= config.min_sparse_numel]
@@ -176,31 +182,21 @@ class SparseOptimizerMixin:
             describe(large), config.bucket_bytes, self._group_names(groups, num_groups, large)
         )
         dense_plan = plan_buckets(describe(small), config.bucket_bytes, kind="dense")
-        self._momentum = MomentumCorrection(self) if corrected else None
+        self._momentum: Correction | None = correction
         self._buckets: list[_BucketSlot] = []
         self._slot_of: dict[torch.Tensor, tuple[_BucketSlot, int]] = {}
         for bucket in sparse_plan.buckets + dense_plan.buckets:
             params = [by_name[e.name] for e in bucket.entries]
             flat = torch.zeros(bucket.numel, dtype=params[0].dtype, device=params[0].device)
-            name = f"hvds.opt.{bucket.name}"
-            if bucket.kind == "sparse":
-                reducer = BucketReducer(
-                    BACKEND, name, bucket.numel, flat, config, process_set, compression
-                )
-            else:
-                reducer = DenseBucketReducer(
-                    BACKEND, name, bucket.numel, flat, process_set, compression
-                )
-            slot = _BucketSlot(bucket, params, flat, reducer)
+            slot = _BucketSlot(bucket, params, flat, self._make_reducer(bucket, flat))
             self._buckets.append(slot)
             for entry, p in zip(bucket.entries, params):
                 self._slot_of[p] = (slot, entry.offset)
             if self._momentum is not None:
-                slot.velocity = torch.zeros_like(flat)
-                if isinstance(reducer, BucketReducer):
-                    reducer.velocity = slot.velocity
+                slot.buffers = {n: torch.zeros_like(flat) for n in self._momentum.buffer_names}
+                self._mask_sent_entries(slot)
                 for entry, p in zip(bucket.entries, params):
-                    self._momentum.attach(p, slot.velocity, entry.offset)
+                    self._momentum.attach(p, slot.buffers, entry.offset)
         self._passes_left = {p: self.backward_passes_per_step for _, p in named}
         self._should_synchronize = True
         self._synchronized = False
@@ -209,6 +205,52 @@ class SparseOptimizerMixin:
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
         ]
         self._begin_step()
+
+    def _make_reducer(self, bucket: Bucket, flat: torch.Tensor) -> Any:
+        """A reducer for ``bucket`` over the process set as it is now."""
+        name = f"hvds.opt.{bucket.name}"
+        if bucket.kind == "sparse":
+            return BucketReducer(
+                BACKEND,
+                name,
+                bucket.numel,
+                flat,
+                self.sparse_config,
+                self.process_set,
+                self.compression,
+            )
+        return DenseBucketReducer(
+            BACKEND, name, bucket.numel, flat, self.process_set, self.compression
+        )
+
+    def _mask_sent_entries(self, slot: _BucketSlot) -> None:
+        """Momentum factor masking: the reducer zeroes sent entries in this buffer too."""
+        masked = self._momentum.masked_buffer if self._momentum is not None else None
+        if masked is not None and isinstance(slot.reducer, BucketReducer):
+            slot.reducer.velocity = slot.buffers[masked]
+
+    def _follow_world_size(self) -> None:
+        """Rebuild the reducers when the process set changed size (elastic Horovod).
+
+        Each surviving rank keeps its own residual and velocity: they are mass this
+        process still owes the sum, whatever its new rank. Owner regions are cut again
+        for the new size; the step count and the selection state carry over. A removed
+        rank's residual leaves with it, like its unreduced gradient of that step.
+        """
+        size = self.process_set.size()
+        if size == self._world_size:
+            return
+        self._world_size = size
+        self._prescale, self._postscale = optimizer_scales(
+            op_name(self.op), size, self.gradient_predivide_factor
+        )
+        for slot in self._buckets:
+            old = slot.reducer
+            slot.reducer = self._make_reducer(slot.bucket, slot.flat)
+            if isinstance(old, BucketReducer):
+                slot.reducer.load_state_dict(old.state_dict())  # boundaries: re-cut
+                self._mask_sent_entries(slot)
+        self._step_records = []
 
     def _name_parameters(
         self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None
@@ -292,6 +334,7 @@ class SparseOptimizerMixin:
 
     # ------------------------------------------------------------------ hooks
     def _begin_step(self) -> None:
+        self._step_open = False
         for slot in self._buckets:
             slot.waiting = len(slot.params)
             slot.stage = None
@@ -305,6 +348,9 @@ class SparseOptimizerMixin:
                 "optimizer.step() or synchronize(). Increase backward_passes_per_step to "
                 "accumulate gradients locally."
             )
+        if not self._step_open:
+            self._step_open = True
+            self._follow_world_size()
         self._passes_left[p] -= 1
         if self._passes_left[p] == 0:
             self._submit(p)
@@ -356,6 +402,8 @@ class SparseOptimizerMixin:
             with optimizer.skip_synchronize():
                 optimizer.step()
         """
+        if not self._step_open:
+            self._follow_world_size()
         # Parameters whose hook did not fire (unused this step) still take part.
         for p, left in self._passes_left.items():
             if left > 0:
@@ -397,8 +445,7 @@ class SparseOptimizerMixin:
         self._synchronized = False
         if self._momentum is None:
             return super().step(closure)
-        with self._momentum.plain_step():
-            return super().step(closure)
+        return self._momentum.step(super().step, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if any(slot.stage is not None for slot in self._buckets):
@@ -422,29 +469,32 @@ class SparseOptimizerMixin:
         return {slot.bucket.name: slot.reducer.residual for slot in self._sparse_slots()}
 
     def velocities(self) -> dict[str, torch.Tensor]:
-        """This rank's momentum-correction velocity per bucket name (flat buffers;
-        read-only views); empty when momentum correction is off."""
-        if self._momentum is None:
-            return {}
-        return {slot.bucket.name: slot.velocity for slot in self._buckets}
+        """This rank's SGD momentum-correction velocity per bucket name (flat buffers;
+        read-only views); empty unless SGD momentum correction is on."""
+        return {
+            slot.bucket.name: slot.buffers["velocity"]
+            for slot in self._buckets
+            if "velocity" in slot.buffers
+        }
 
     @property
     def momentum_correction(self) -> bool:
-        """Whether SGD's momentum runs in front of the exchange (see ``torch/momentum.py``)."""
+        """Whether the optimizer's momentum runs in front of the exchange
+        (see :mod:`horovod_sparse.torch.momentum`)."""
         return self._momentum is not None
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state plus, per sparse bucket, this rank's residual,
         step count, selection state (threshold) and partition boundaries.
 
-        Residuals are per rank: save one checkpoint per rank to resume exactly. Loading
-        a checkpoint written by another rank or world size keeps this rank's residuals
-        at zero (with a warning) rather than count another rank's mass twice.
+        Residuals are per rank: save one checkpoint per rank to resume exactly. See
+        :meth:`load_state_dict` for loading on another rank or world size.
         """
         state = super().state_dict()
         state[_STATE_KEY] = {
             "rank": self.process_set.rank(),
             "world_size": self.process_set.size(),
+            "owner": self._owner_token,
             "buckets": {
                 slot.bucket.name: _detached(slot.reducer.state_dict())
                 for slot in self._sparse_slots()
@@ -453,40 +503,57 @@ class SparseOptimizerMixin:
         if self._momentum is not None:
             state[_STATE_KEY]["momentum"] = {
                 **self._momentum.state_dict(),
-                "velocities": {
-                    slot.bucket.name: slot.velocity.detach().clone() for slot in self._buckets
+                "buffers": {
+                    slot.bucket.name: {n: b.detach().clone() for n, b in slot.buffers.items()}
+                    for slot in self._buckets
                 },
             }
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. Residuals and velocities follow this policy:
+
+        - written by this optimizer (elastic ``commit``/``restore``), or by the same rank
+          at the same world size (one checkpoint per rank): restored as saved;
+        - written by another rank or at another world size: the saved residual is
+          divided by this world size, so when every rank loads the same checkpoint its
+          owed mass is counted exactly once; the velocity is loaded as saved. A
+          warning says so, since the residuals the other ranks held at save time are
+          not in this checkpoint. Owner regions are cut again for the new size.
+        """
         state_dict = dict(state_dict)
         sparse_state = state_dict.pop(_STATE_KEY, None)
         super().load_state_dict(state_dict)
+        # A step interrupted by a failure (elastic restore) leaves exchanges in flight
+        # whose handles belong to the old world; the restored state replaces them.
+        self._begin_step()
         if sparse_state is None:
             return
-        same_place = (
-            sparse_state["rank"] == self.process_set.rank()
-            and sparse_state["world_size"] == self.process_set.size()
+        size = self.process_set.size()
+        exact = sparse_state.get("owner") == self._owner_token or (
+            sparse_state["rank"] == self.process_set.rank() and sparse_state["world_size"] == size
         )
-        if not same_place:
+        if not exact:
             warnings.warn(
                 f"checkpoint residuals come from rank {sparse_state['rank']} of "
                 f"{sparse_state['world_size']}; this is rank {self.process_set.rank()} of "
-                f"{self.process_set.size()}: residuals start from zero",
+                f"{size}: each rank takes 1/{size} of the saved residual, so its mass counts "
+                "once when every rank loads this checkpoint; the other ranks' residuals at "
+                "save time are not in it",
                 stacklevel=2,
             )
         for slot in self._sparse_slots():
             saved = sparse_state["buckets"].get(slot.bucket.name)
             if saved is None or saved["residual"].numel() != slot.bucket.numel:
                 raise ValueError(f"checkpoint has no state matching bucket {slot.bucket.name}")
-            slot.reducer.load_state_dict(saved, residual=same_place)
-            if not same_place:
-                slot.reducer.residual.zero_()
-        self._load_momentum_state(sparse_state.get("momentum"), same_place)
+            slot.reducer.load_state_dict(saved)
+            if not exact:
+                slot.reducer.residual.mul_(1.0 / size)
+        self._load_momentum_state(sparse_state.get("momentum"))
 
-    def _load_momentum_state(self, saved: dict[str, Any] | None, same_place: bool) -> None:
-        """Velocities are per rank like residuals: restored in place, else zero."""
+    def _load_momentum_state(self, saved: dict[str, Any] | None) -> None:
+        """Restored as saved: a rank's velocity or moments are its own statistics, not
+        gradient mass owed to the sum."""
         if self._momentum is None:
             return
         if saved is None:
@@ -496,10 +563,8 @@ class SparseOptimizerMixin:
             )
         self._momentum.load_state_dict(saved)
         for slot in self._buckets:
-            if same_place:
-                slot.velocity.copy_(saved["velocities"][slot.bucket.name])
-            else:
-                slot.velocity.zero_()
+            for name, buffer in slot.buffers.items():
+                buffer.copy_(saved["buffers"][slot.bucket.name][name])
 
     def _sparse_slots(self) -> list[_BucketSlot]:
         return [s for s in self._buckets if isinstance(s.reducer, BucketReducer)]

@@ -26,6 +26,7 @@ _SPARSE_KEYS = (
     "density",
     "min_sparse_numel",
     "fusion_threshold_bytes",
+    "error_feedback",
     "sparse_as_dense",
     "gradient_predivide_factor",
     "average_aggregated_gradients",
@@ -34,6 +35,8 @@ _SPARSE_KEYS = (
 
 class SparseOptimizerMixin:
     """Put in front of a Keras 3 optimizer class to reduce gradients sparsely.
+
+    Takes the sparse keywords of :func:`DistributedOptimizer` next to the optimizer's own.
 
     Example:
         >>> class SparseAdam(SparseOptimizerMixin, keras.optimizers.Adam):
@@ -56,6 +59,7 @@ class SparseOptimizerMixin:
         num_groups: int = 0,
         groups: Any = None,
         process_set: Any = hvd.global_process_set,
+        error_feedback: bool = True,
         **kwargs: Any,
     ) -> None:
         if int(backward_passes_per_step) < 1:
@@ -69,6 +73,7 @@ class SparseOptimizerMixin:
             density=density,
             min_sparse_numel=min_sparse_numel,
             fusion_threshold_bytes=fusion_threshold_bytes,
+            error_feedback=error_feedback,
         )
         self._sparse_options = dict(
             op=op,
@@ -87,6 +92,7 @@ class SparseOptimizerMixin:
             density=density,
             min_sparse_numel=min_sparse_numel,
             fusion_threshold_bytes=fusion_threshold_bytes,
+            error_feedback=error_feedback,
             sparse_as_dense=sparse_as_dense,
             gradient_predivide_factor=gradient_predivide_factor,
             average_aggregated_gradients=average_aggregated_gradients,
@@ -165,6 +171,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     density: float = 0.01,
     min_sparse_numel: int = 1024,
     fusion_threshold_bytes: int | None = None,
+    error_feedback: bool = True,
 ) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so every update uses sparse allreduce.
 
@@ -172,6 +179,14 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     (``device_dense``, ``device_sparse`` and ``scale_local_gradients`` are accepted for
     compatibility and have no effect). Wrap before the first step: the new optimizer is
     built from ``optimizer.get_config()``, so slot variables start fresh.
+
+    Sparse keywords: ``density`` (fraction of entries exchanged per bucket),
+    ``min_sparse_numel`` (smaller variables go through a dense allreduce),
+    ``fusion_threshold_bytes`` (bucket capacity; ``None`` follows
+    ``HOROVOD_FUSION_THRESHOLD``) and ``error_feedback``: ``True`` keeps the entries not
+    sent in a residual that is added to later steps; ``False`` zeroes that residual at the
+    end of every step (ablation only: unsent entries are dropped, which loses gradient
+    mass).
 
     Example:
         >>> opt = DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9), density=0.01)
@@ -190,6 +205,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
         density=density,
         min_sparse_numel=min_sparse_numel,
         fusion_threshold_bytes=fusion_threshold_bytes,
+        error_feedback=error_feedback,
         compression=compression,
         sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor,

@@ -1,0 +1,198 @@
+"""Convergence of sparse vs dense training on real data that ships with the machine.
+
+Runs every task under ``horovodrun`` at each world size in four modes: dense Horovod,
+density 0.01, density 0.001, and density 0.01 with error feedback off (the ablation).
+Seeds, hyperparameters and step counts are the same in every mode. Writes one JSON per
+run, the curves as PNG, and a markdown table of final accuracy / loss and bytes per step.
+
+    python benchmarks/convergence.py                       # everything (about an hour on 2 cores)
+    python benchmarks/convergence.py --tasks digits --sizes 2
+    python benchmarks/convergence.py --report-only         # redraw from the JSON files
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    script: str
+    steps: int
+    metric: str  # key of the curve points and of the summary's final value
+    label: str
+    higher_is_better: bool
+
+
+TASKS = {
+    "digits": Task(
+        "digits", "examples/pytorch/digits_cnn.py", 600, "test_acc", "test accuracy (%)", True
+    ),
+    "char_lm": Task(
+        "char_lm", "examples/pytorch/char_lm.py", 500, "val_loss", "validation loss (nats)", False
+    ),
+    "keras_digits": Task(
+        "keras_digits",
+        "examples/tensorflow2/keras_digits.py",
+        600,
+        "test_acc",
+        "test accuracy (%)",
+        True,
+    ),
+}
+
+# mode name -> extra command-line arguments
+MODES = {
+    "dense": ["--density", "1.0"],
+    "0.01": ["--density", "0.01"],
+    "0.001": ["--density", "0.001"],
+    "0.01-no-ef": ["--density", "0.01", "--no-error-feedback"],
+}
+
+
+def run_one(task: Task, size: int, mode: str, out: Path, timeout: int) -> Path:
+    path = out / f"{task.name}_np{size}_{mode}.json"
+    cmd = [
+        "horovodrun",
+        "-np",
+        str(size),
+        "-H",
+        f"localhost:{size}",
+        "--gloo",
+        sys.executable,
+        str(ROOT / task.script),
+        *MODES[mode],
+        "--steps",
+        str(task.steps),
+        "--seed",
+        "0",
+        "--json",
+        str(path),
+    ]
+    began = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0 or not path.exists():
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        raise RuntimeError(f"{task.name} np={size} {mode} failed (rc={done.returncode})")
+    print(f"  {task.name} np={size} {mode:10s} {time.perf_counter() - began:6.1f} s", flush=True)
+    return path
+
+
+def final_value(task: Task, summary: dict) -> float:
+    return summary["curve"][-1][task.metric]
+
+
+def table(results: dict[tuple[str, int, str], dict]) -> str:
+    lines = [
+        "| task | P | mode | final metric | vs dense | bytes/step | % of dense bytes | "
+        "param spread |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (name, size, mode), summary in sorted(results.items()):
+        task = TASKS[name]
+        value = final_value(task, summary)
+        dense = results.get((name, size, "dense"))
+        if dense is None:
+            versus = "n/a"
+        elif task.higher_is_better:
+            versus = f"{value - final_value(task, dense):+.2f} pt"
+        else:
+            versus = f"{100 * (value / final_value(task, dense) - 1):+.1f}%"
+        if task.metric == "test_acc":
+            shown = f"{value:.2f}% acc"
+        else:
+            shown = f"{value:.4f} (ppl {math.exp(value):.2f})"
+        share = summary["bytes_per_step"] / summary["dense_bytes_per_step"]
+        lines.append(
+            f"| {name} | {size} | {mode} | {shown} | {versus} | "
+            f"{summary['bytes_per_step']:,.0f} | {100 * share:.2f}% | "
+            f"{summary['parameter_spread']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[tuple[str, int, str], dict], plots: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name in sorted({key[0] for key in results}):
+        task = TASKS[name]
+        sizes = sorted({key[1] for key in results if key[0] == name})
+        fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
+        for ax, size in zip(axes[0], sizes):
+            for mode in MODES:
+                summary = results.get((name, size, mode))
+                if summary is None:
+                    continue
+                steps = [point["step"] for point in summary["curve"]]
+                values = [point[task.metric] for point in summary["curve"]]
+                ax.plot(steps, values, marker=".", label=mode)
+            ax.set_title(f"{name}, P={size}")
+            ax.set_xlabel("step")
+            ax.set_ylabel(task.label)
+            if task.metric == "test_acc":
+                ax.set_ylim(80, 100)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        path = plots / f"convergence_{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--sizes", default="2,4")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--out", default=str(ROOT / "results" / "convergence"))
+    parser.add_argument("--plots", default=str(ROOT / "docs" / "accuracy"))
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+
+    out, plots = Path(args.out), Path(args.plots)
+    out.mkdir(parents=True, exist_ok=True)
+    plots.mkdir(parents=True, exist_ok=True)
+    tasks = [TASKS[name] for name in args.tasks.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",")]
+    modes = args.modes.split(",")
+    if not args.report_only:
+        for task in tasks:
+            for size in sizes:
+                for mode in modes:
+                    run_one(task, size, mode, out, args.timeout)
+    results = {}
+    for task in tasks:
+        for size in sizes:
+            for mode in MODES:
+                path = out / f"{task.name}_np{size}_{mode}.json"
+                if path.exists():
+                    results[(task.name, size, mode)] = json.loads(path.read_text())
+    markdown = table(results)
+    (out / "convergence.md").write_text(markdown)
+    (plots / "convergence.md").write_text(markdown)
+    print(markdown)
+    for path in plot(results, plots):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
