@@ -49,8 +49,9 @@ class UniformPartition:
 def balanced_boundaries(bin_counts: list[int], numel: int, world_size: int) -> list[int]:
     """Boundaries at bin edges that split the summed ``bin_counts`` into equal shares.
 
-    Bin b covers ``[b*n//B, (b+1)*n//B)``. Pure host arithmetic on the allreduced counts,
-    so every rank gets the same answer.
+    Bin b holds the positions p with ``p*B//n == b``, which start at ``ceil(b*n/B)``; a
+    cut after bin b-1 is placed there. Pure host arithmetic on the allreduced counts, so
+    every rank gets the same answer.
     """
     bins = len(bin_counts)
     total = sum(bin_counts)
@@ -68,7 +69,7 @@ def balanced_boundaries(bin_counts: list[int], numel: int, world_size: int) -> l
         ):
             running += bin_counts[b]
             b += 1
-        edges.append(max(edges[-1], b * numel // bins))
+        edges.append(max(edges[-1], -(-b * numel // bins)))
     edges.append(numel)
     return edges
 

@@ -7,8 +7,10 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from horovod_sparse.common.config import SparseConfig
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.tensorflow.reducer import GradientReducer, tf_config
+from horovod_sparse.tensorflow.validation import check_variables, describe, validate_across_ranks
 
 __all__ = ["DistributedGradientTape"]
 
@@ -26,6 +28,9 @@ class DistributedGradientTape(tf.GradientTape):
     ``name`` and the list of sources; :meth:`residual_variables` returns them for a
     checkpoint. ``error_feedback=False`` zeroes the residuals at the end of every step
     (ablation only: unsent entries are dropped, which loses gradient mass).
+
+    Invalid keywords or sources are reported by the first ``gradient()`` call, on every
+    rank, after one small validation collective (see :meth:`_reducer_for`).
 
     Example:
         >>> with tf.GradientTape() as tape:
@@ -61,12 +66,19 @@ class DistributedGradientTape(tf.GradientTape):
         self._tape = gradtape._tape
         self._recording = gradtape._recording
         self._watched_variables = gradtape._watched_variables
-        self._config = tf_config(
-            density=density,
-            min_sparse_numel=min_sparse_numel,
-            fusion_threshold_bytes=fusion_threshold_bytes,
-            error_feedback=error_feedback,
-        )
+        # A bad knob becomes this rank's verdict in the validation collective of the
+        # first gradient() call, so every rank raises rather than only this one.
+        self._problem: Exception | None = None
+        self._config: SparseConfig | None = None
+        try:
+            self._config = tf_config(
+                density=density,
+                min_sparse_numel=min_sparse_numel,
+                fusion_threshold_bytes=fusion_threshold_bytes,
+                error_feedback=error_feedback,
+            )
+        except (TypeError, ValueError) as error:
+            self._problem = error
         self._options = dict(
             op=op,
             gradient_predivide_factor=gradient_predivide_factor,
@@ -103,13 +115,39 @@ class DistributedGradientTape(tf.GradientTape):
         return tf.nest.pack_sequence_as(grads, out) if tf.nest.is_nested(grads) else out[0]
 
     def _reducer_for(self, sources: list[Any]) -> GradientReducer:
+        """The reducer for this name and list of sources; built and validated once.
+
+        The first time a (name, source shapes and dtypes, config, process set) is seen,
+        the reducer is built and one validation collective runs within the process set:
+        an allgather of a small pickled ``(verdict, [(name, shape, dtype)])`` per rank
+        (see :mod:`horovod_sparse.tensorflow.validation`), eagerly under
+        ``tf.init_scope`` even inside a ``tf.function``, before the step's collectives.
+        Every rank raises if any rank's knobs or sources are invalid (empty list, not
+        floating point, bfloat16) or if the ranks' source shapes or dtypes differ. Later
+        calls with the same sources reuse the reducer without a collective, so every
+        rank must pass matching sources under a given ``name`` from the start.
+        """
         signature = tuple((tuple(s.shape), tf.as_dtype(s.dtype).name) for s in sources)
-        key = (self._name, signature, self._config, id(self._options["process_set"]))
+        process_set = self._options["process_set"]
+        key = (self._name, signature, self._config, id(process_set))
         if key not in _REDUCERS:
+            if not process_set.included():
+                raise ValueError("this rank is not in the tape's process_set")
+            problem = self._problem
+            reducer = None
+            what = f"DistributedGradientTape {self._name!r}"
             with tf.init_scope():
-                _REDUCERS[key] = GradientReducer(
-                    sources, self._config, name=f"hvds.{self._name}", **self._options
-                )
+                if problem is None:
+                    try:
+                        check_variables(sources, what)
+                        reducer = GradientReducer(
+                            sources, self._config, name=f"hvds.{self._name}", **self._options
+                        )
+                    except (TypeError, ValueError) as error:
+                        problem = error
+                validate_across_ranks(describe(sources), problem, process_set, what)
+            assert reducer is not None  # every rank is valid, or validation raised
+            _REDUCERS[key] = reducer
         self._reducer = _REDUCERS[key]
         return self._reducer
 

@@ -156,8 +156,14 @@ class TorchBackend:
     def unpack_rows(
         self, rows: torch.Tensor, wire_like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        indices = rows[:, :4].contiguous().view(torch.int32).view(-1).to(torch.int64)
-        values = rows[:, 4:].contiguous().view(wire_like.dtype).view(-1)
+        # Fresh buffers, not .contiguous(): with 0 or 1 rows the column slices are
+        # already "contiguous" at a byte offset or row stride that a wider dtype cannot
+        # view (e.g. float64 at offset 4).
+        count, width = rows.shape
+        index_bytes = torch.empty((count, 4), dtype=torch.uint8, device=rows.device)
+        value_bytes = torch.empty((count, width - 4), dtype=torch.uint8, device=rows.device)
+        indices = index_bytes.copy_(rows[:, :4]).view(torch.int32).view(-1).to(torch.int64)
+        values = value_bytes.copy_(rows[:, 4:]).view(wire_like.dtype).view(-1)
         return indices, values
 
     def unique_inverse(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

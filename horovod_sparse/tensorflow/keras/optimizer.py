@@ -17,8 +17,10 @@ import keras
 import tensorflow as tf
 
 from horovod_sparse.common.classes import combined_class
+from horovod_sparse.common.config import SparseConfig, optimizer_scales
 from horovod_sparse.common.stats import StepStats
-from horovod_sparse.tensorflow.reducer import GradientReducer, tf_config
+from horovod_sparse.tensorflow.reducer import GradientReducer, op_name, tf_config
+from horovod_sparse.tensorflow.validation import check_variables, describe, validate_across_ranks
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
 
@@ -62,19 +64,29 @@ class SparseOptimizerMixin:
         error_feedback: bool = True,
         **kwargs: Any,
     ) -> None:
-        if int(backward_passes_per_step) < 1:
-            raise ValueError(
-                f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
+        # A bad knob is not raised here: it becomes this rank's verdict in the validation
+        # collective of build(), so every rank raises instead of one rank raising while
+        # the others wait in a collective.
+        problem: Exception | None = None
+        config: SparseConfig | None = None
+        try:
+            if int(backward_passes_per_step) < 1:
+                raise ValueError(
+                    f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
+                )
+            if backward_passes_per_step > 1:
+                kwargs["gradient_accumulation_steps"] = int(backward_passes_per_step)
+            config = tf_config(
+                density=density,
+                min_sparse_numel=min_sparse_numel,
+                fusion_threshold_bytes=fusion_threshold_bytes,
+                error_feedback=error_feedback,
             )
-        if backward_passes_per_step > 1:
-            kwargs["gradient_accumulation_steps"] = int(backward_passes_per_step)
-        super().__init__(*args, **kwargs)
-        self.sparse_config = tf_config(
-            density=density,
-            min_sparse_numel=min_sparse_numel,
-            fusion_threshold_bytes=fusion_threshold_bytes,
-            error_feedback=error_feedback,
-        )
+        except (TypeError, ValueError) as error:
+            problem = error
+        super().__init__(*args, **kwargs)  # Keras wants it before any attribute is set
+        self._sparse_problem = problem
+        self.sparse_config = config
         self._sparse_options = dict(
             op=op,
             gradient_predivide_factor=gradient_predivide_factor,
@@ -86,7 +98,9 @@ class SparseOptimizerMixin:
         )
         # Keras averages accumulated gradients; Horovod sums them unless asked to average.
         self._aggregation_scale = (
-            1.0 if average_aggregated_gradients else float(max(1, int(backward_passes_per_step)))
+            1.0
+            if average_aggregated_gradients or self._sparse_problem is not None
+            else float(max(1, int(backward_passes_per_step)))
         )
         self._sparse_kwargs = dict(
             density=density,
@@ -100,6 +114,34 @@ class SparseOptimizerMixin:
         self._gradient_reducer: GradientReducer | None = None
 
     def build(self, variables: list[Any]) -> None:
+        """Validate across ranks, then create the slots, the residuals and the reducer.
+
+        Before anything else, one validation collective within the process set: an
+        allgather of a small pickled ``(verdict, [(path, shape, dtype)])`` per rank (see
+        :mod:`horovod_sparse.tensorflow.validation`). The verdict covers the sparse
+        keywords given to the constructor and the variables (non-empty, floating point,
+        not bfloat16). It runs once per optimizer, eagerly (under ``tf.init_scope``) even
+        when Keras builds the optimizer while tracing a ``tf.function``, before the first
+        training step's collectives. Every rank then raises if any rank is invalid or
+        holds different variable shapes or dtypes.
+        """
+        variables = list(variables)
+        process_set = self._sparse_options["process_set"]
+        if not process_set.included():
+            raise ValueError("this rank is not in the optimizer's process_set")
+        problem = self._sparse_problem
+        if problem is None:
+            try:
+                options = self._sparse_options
+                optimizer_scales(
+                    op_name(options["op"]),
+                    process_set.size(),
+                    float(options["gradient_predivide_factor"]),
+                )
+                check_variables(variables, "the optimizer")
+            except (TypeError, ValueError) as error:
+                problem = error
+        validate_across_ranks(describe(variables), problem, process_set, "the optimizer")
         super().build(variables)
 
         def make_residual(numel: int, dtype: tf.DType, name: str) -> Any:
@@ -107,7 +149,7 @@ class SparseOptimizerMixin:
             return self.add_variable((numel,), dtype=dtype.name, name=f"sparse_residual_{name}")
 
         self._gradient_reducer = GradientReducer(
-            list(variables),
+            variables,
             self.sparse_config,
             name=f"hvds.keras.{self.name}",
             make_residual=make_residual,
@@ -187,6 +229,11 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     sent in a residual that is added to later steps; ``False`` zeroes that residual at the
     end of every step (ablation only: unsent entries are dropped, which loses gradient
     mass).
+
+    Invalid keywords (e.g. ``density`` outside (0, 1]) are not raised here: they are
+    reported when the optimizer is built (first step, or ``optimizer.build``), on every
+    rank, by the one validation collective of :meth:`SparseOptimizerMixin.build`, which
+    also checks that every rank has the same variable shapes and dtypes.
 
     Example:
         >>> opt = DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9), density=0.01)
