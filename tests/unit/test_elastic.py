@@ -44,8 +44,17 @@ def test_training_survives_a_killed_worker(tmp_path):
         str(kill_at),
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), PATH=f"{horovodrun.parent}:{os.environ['PATH']}")
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    log = (done.stdout + done.stderr)[-6000:]
+    job = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        output, _ = job.communicate(timeout=200)
+    finally:
+        if job.poll() is None:  # a hang: stop the driver and every worker it started
+            job.kill()
+            subprocess.run(["pkill", "-9", "-f", str(tmp_path)], check=False)
+            output, _ = job.communicate()
+    log = output[-6000:]
     assert (tmp_path / "killed").exists(), log
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("report.*.json"))]
     assert len(reports) == 2, log
