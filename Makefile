@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 RUN    := PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 DEMO_OUT := results/demo
 
-.PHONY: bootstrap test lint unit parallel demo bench cluster-bench
+.PHONY: bootstrap test lint unit parallel demo bench convergence cluster-bench
 
 bootstrap:
 	bash ci/bootstrap
@@ -31,6 +31,10 @@ demo: bootstrap
 bench: bootstrap
 	$(RUN) $(PY) benchmarks/selection.py --steps 30 --recall-steps 30
 	$(RUN) $(PY) benchmarks/allreduce.py --sizes 1M,16M --densities 0.01 --ranks 2,4 --repeats 5
+
+# Accuracy of sparse vs dense on digits, Keras digits and a char LM (about 90 minutes).
+convergence: bootstrap
+	$(RUN) $(PY) benchmarks/convergence.py
 
 # Needs root: network namespaces and tc (skips with a message otherwise).
 cluster-bench: bootstrap
