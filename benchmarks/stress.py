@@ -19,6 +19,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--np", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-size", type=int, default=1_000_003, help="largest tensor")
     parser.add_argument("--json", default=str(ROOT / "results" / "stress.json"))
     args = parser.parse_args()
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -38,6 +39,8 @@ def main() -> None:
         str(args.seed),
         "--json",
         args.json,
+        "--max-size",
+        str(args.max_size),
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     sys.exit(subprocess.run(cmd, cwd=ROOT, env=env).returncode)

@@ -83,9 +83,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-size", type=int, default=max(SIZES), help="largest tensor")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    summary = run(args.steps, args.seed)
+    summary = run(args.steps, args.seed, sizes=[n for n in SIZES if n <= args.max_size])
     if hvd.rank() == 0:
         print(json.dumps(summary), flush=True)
         if args.json:

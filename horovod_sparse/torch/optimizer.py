@@ -182,7 +182,7 @@ class SparseOptimizerMixin:
             describe(large), config.bucket_bytes, self._group_names(groups, num_groups, large)
         )
         dense_plan = plan_buckets(describe(small), config.bucket_bytes, kind="dense")
-        self._momentum: Correction | None = correction
+        self._correction: Correction | None = correction
         self._buckets: list[_BucketSlot] = []
         self._slot_of: dict[torch.Tensor, tuple[_BucketSlot, int]] = {}
         for bucket in sparse_plan.buckets + dense_plan.buckets:
@@ -192,11 +192,11 @@ class SparseOptimizerMixin:
             self._buckets.append(slot)
             for entry, p in zip(bucket.entries, params):
                 self._slot_of[p] = (slot, entry.offset)
-            if self._momentum is not None:
-                slot.buffers = {n: torch.zeros_like(flat) for n in self._momentum.buffer_names}
+            if self._correction is not None:
+                slot.buffers = {n: torch.zeros_like(flat) for n in self._correction.buffer_names}
                 self._mask_sent_entries(slot)
                 for entry, p in zip(bucket.entries, params):
-                    self._momentum.attach(p, slot.buffers, entry.offset)
+                    self._correction.attach(p, slot.buffers, entry.offset)
         self._passes_left = {p: self.backward_passes_per_step for _, p in named}
         self._should_synchronize = True
         self._synchronized = False
@@ -225,7 +225,7 @@ class SparseOptimizerMixin:
 
     def _mask_sent_entries(self, slot: _BucketSlot) -> None:
         """Momentum factor masking: the reducer zeroes sent entries in this buffer too."""
-        masked = self._momentum.masked_buffer if self._momentum is not None else None
+        masked = self._correction.masked_buffer if self._correction is not None else None
         if masked is not None and isinstance(slot.reducer, BucketReducer):
             slot.reducer.velocity = slot.buffers[masked]
 
@@ -372,8 +372,8 @@ class SparseOptimizerMixin:
     def _submit(self, p: torch.Tensor) -> None:
         self._passes_left[p] = 0
         grad = self._dense_grad(p)
-        if self._momentum is not None:
-            grad = self._momentum.update(p, grad)
+        if self._correction is not None:
+            grad = self._correction.update(p, grad)
         slot, offset = self._slot_of[p]
         sparse = isinstance(slot.reducer, BucketReducer)
         if sparse:
@@ -419,8 +419,8 @@ class SparseOptimizerMixin:
             slot.stage = None
         # Keep the raw figures; stats() reads them, so a step adds no device-to-host sync.
         self._step_records = [(slot.reducer, *slot.reducer.step_record()) for slot in self._buckets]
-        if self._momentum is not None:
-            self._momentum.end_step()
+        if self._correction is not None:
+            self._correction.end_step()
         self._begin_step()
         self._synchronized = True
 
@@ -443,9 +443,9 @@ class SparseOptimizerMixin:
                 )
             self.synchronize()
         self._synchronized = False
-        if self._momentum is None:
+        if self._correction is None:
             return super().step(closure)
-        return self._momentum.step(super().step, closure)
+        return self._correction.step(super().step, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if any(slot.stage is not None for slot in self._buckets):
@@ -481,7 +481,7 @@ class SparseOptimizerMixin:
     def momentum_correction(self) -> bool:
         """Whether the optimizer's momentum runs in front of the exchange
         (see :mod:`horovod_sparse.torch.momentum`)."""
-        return self._momentum is not None
+        return self._correction is not None
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state plus, per sparse bucket, this rank's residual,
@@ -500,9 +500,9 @@ class SparseOptimizerMixin:
                 for slot in self._sparse_slots()
             },
         }
-        if self._momentum is not None:
+        if self._correction is not None:
             state[_STATE_KEY]["momentum"] = {
-                **self._momentum.state_dict(),
+                **self._correction.state_dict(),
                 "buffers": {
                     slot.bucket.name: {n: b.detach().clone() for n, b in slot.buffers.items()}
                     for slot in self._buckets
@@ -549,19 +549,19 @@ class SparseOptimizerMixin:
             slot.reducer.load_state_dict(saved)
             if not exact:
                 slot.reducer.residual.mul_(1.0 / size)
-        self._load_momentum_state(sparse_state.get("momentum"))
+        self._load_correction_state(sparse_state.get("momentum"))
 
-    def _load_momentum_state(self, saved: dict[str, Any] | None) -> None:
+    def _load_correction_state(self, saved: dict[str, Any] | None) -> None:
         """Restored as saved: a rank's velocity or moments are its own statistics, not
         gradient mass owed to the sum."""
-        if self._momentum is None:
+        if self._correction is None:
             return
         if saved is None:
             raise ValueError(
                 "checkpoint has no momentum-correction state; it was saved with "
                 "momentum_correction off, so load it with momentum_correction=False"
             )
-        self._momentum.load_state_dict(saved)
+        self._correction.load_state_dict(saved)
         for slot in self._buckets:
             for name, buffer in slot.buffers.items():
                 buffer.copy_(saved["buffers"][slot.bucket.name][name])
