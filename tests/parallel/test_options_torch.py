@@ -38,6 +38,9 @@ def optimizer(model, selection, partition, warmup, decay, density=0.02):
         density_decay_steps=decay,
         reestimate_steps=3,
         repartition_steps=4,
+        # The invariant below is on the gradient itself; with momentum correction the
+        # exchange carries the velocity (checked in test_momentum_torch.py).
+        momentum_correction=False,
     )
 
 
