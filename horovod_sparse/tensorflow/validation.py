@@ -20,6 +20,8 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from horovod_sparse.common.validation import raise_on_any_rank, verdict_of
+
 __all__ = ["allgather_object", "check_variables", "describe", "validate_across_ranks"]
 
 # One name for every validation: ranks that reach it from different call sites still
@@ -98,24 +100,7 @@ def validate_across_ranks(
     same model; they appear in the messages. Raises this rank's own ``problem``, or a
     ValueError naming another rank's error, or the first variable that differs.
     """
-    verdict = None if problem is None else f"{type(problem).__name__}: {problem}"
-    everyone = allgather_object((verdict, entries), _COLLECTIVE, process_set)
-    if problem is not None:
-        raise problem
-    for rank, (their_problem, _) in enumerate(everyone):
-        if their_problem is not None:
-            raise ValueError(f"rank {rank} could not build {what}: {their_problem}")
-    mine = [entry[1:] for entry in entries]
-    for rank, (_, theirs) in enumerate(everyone):
-        if [entry[1:] for entry in theirs] == mine:
-            continue
-        for i, (a, b) in enumerate(zip(entries, theirs)):
-            if a[1:] != b[1:]:
-                raise ValueError(
-                    f"variable {i} differs between this rank {a} and rank {rank} {b}; "
-                    f"every rank must build the same model and {what}"
-                )
-        raise ValueError(
-            f"this rank has {len(entries)} variables and rank {rank} has {len(theirs)}; "
-            f"every rank must build the same model and {what}"
-        )
+    everyone = allgather_object((verdict_of(problem), entries), _COLLECTIVE, process_set)
+    raise_on_any_rank(
+        everyone, entries, problem, "variable", what, comparable=lambda entry: entry[1:]
+    )

@@ -30,6 +30,7 @@ from horovod_sparse.common.pipeline import (
     ScatterInFlight,
 )
 from horovod_sparse.common.stats import StepStats
+from horovod_sparse.common.validation import raise_on_any_rank, verdict_of
 from horovod_sparse.torch.functions import BACKEND, op_name
 from horovod_sparse.torch.momentum import Correction, make_correction
 
@@ -311,26 +312,8 @@ class SparseOptimizerMixin:
         the first parameter that differs between ranks.
         """
         mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        verdict = None if problem is None else f"{type(problem).__name__}: {problem}"
-        everyone = allgather_object((verdict, mine), "hvds.opt.validate", process_set)
-        if problem is not None:
-            raise problem
-        for rank, (their_problem, _) in enumerate(everyone):
-            if their_problem is not None:
-                raise ValueError(f"rank {rank} could not build the optimizer: {their_problem}")
-        for rank, (_, theirs) in enumerate(everyone):
-            if theirs == mine:
-                continue
-            for i, (a, b) in enumerate(zip(mine, theirs)):
-                if a != b:
-                    raise ValueError(
-                        f"parameter {i} differs between this rank {a} and rank {rank} {b}; "
-                        "every rank must build the same model and optimizer"
-                    )
-            raise ValueError(
-                f"this rank has {len(mine)} parameters and rank {rank} has {len(theirs)}; "
-                "every rank must build the same model and optimizer"
-            )
+        everyone = allgather_object((verdict_of(problem), mine), "hvds.opt.validate", process_set)
+        raise_on_any_rank(everyone, mine, problem, "parameter", "the optimizer")
 
     # ------------------------------------------------------------------ hooks
     def _begin_step(self) -> None:
