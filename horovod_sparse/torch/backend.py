@@ -259,6 +259,10 @@ class TorchBackend:
         handle = hvd.allreduce_async(tensor, name=name, op=hvd.Sum, process_set=process_set)
         return _Pending(handle, "plain")
 
+    def poll(self, pending: _Pending) -> bool:
+        """Whether the collective finished (never blocks)."""
+        return bool(hvd.poll(pending.handle))
+
     def wait(self, pending: _Pending) -> Any:
         result = hvd.synchronize(pending.handle)
         if pending.kind == "alltoall":

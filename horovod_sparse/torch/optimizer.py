@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import time
 import uuid
 import warnings
 from collections.abc import Iterable, Iterator
@@ -30,9 +31,11 @@ from horovod_sparse.common.pipeline import (
     ScatterInFlight,
 )
 from horovod_sparse.common.stats import StepStats
+from horovod_sparse.common.trace import Trace
 from horovod_sparse.common.validation import raise_on_any_rank, verdict_of
 from horovod_sparse.torch.functions import BACKEND, op_name
 from horovod_sparse.torch.momentum import Correction, make_correction
+from horovod_sparse.torch.overlap import DeferredUpdates
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
 
@@ -85,6 +88,9 @@ class SparseOptimizerMixin:
         repartition_steps: int = 50,
         error_feedback: bool = True,
         momentum_correction: bool | None = None,
+        model: torch.nn.Module | None = None,
+        overlap_allgather: bool = False,
+        trace: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(params, *args, **kwargs)
@@ -99,6 +105,9 @@ class SparseOptimizerMixin:
             sparse_as_dense=sparse_as_dense,
             process_set=process_set,
             momentum_correction=momentum_correction,
+            model=model,
+            overlap_allgather=overlap_allgather,
+            trace=trace,
             config_knobs=dict(
                 density=density,
                 min_sparse_numel=min_sparse_numel,
@@ -127,6 +136,9 @@ class SparseOptimizerMixin:
         sparse_as_dense: bool,
         process_set: Any,
         momentum_correction: bool | None,
+        model: torch.nn.Module | None,
+        overlap_allgather: bool,
+        trace: str | None,
         config_knobs: dict[str, Any],
     ) -> None:
         if not process_set.included():
@@ -149,6 +161,11 @@ class SparseOptimizerMixin:
             correction = make_correction(
                 self, momentum_correction, config.density < 1.0 or config.warmup_steps > 0
             )
+            if overlap_allgather and not isinstance(model, torch.nn.Module):
+                raise TypeError(
+                    "overlap_allgather=True needs model=<the torch.nn.Module being trained>: "
+                    "its forward pre-hooks apply each bucket's update just before use"
+                )
         except (TypeError, ValueError) as error:
             problem = error
         self._validate_across_ranks(named, problem, process_set)
@@ -205,6 +222,10 @@ class SparseOptimizerMixin:
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
         ]
+        self._deferred: DeferredUpdates | None = None
+        if overlap_allgather:
+            self._deferred = DeferredUpdates(self, model, self._slot_of, self._apply_bucket)
+        self._trace: Trace | None = Trace(trace, process_set.rank()) if trace is not None else None
         self._begin_step()
 
     def _make_reducer(self, bucket: Bucket, flat: torch.Tensor) -> Any:
@@ -333,7 +354,14 @@ class SparseOptimizerMixin:
             )
         if not self._step_open:
             self._step_open = True
+            if self._deferred is not None:
+                # Updates of the last step not yet applied by a forward pre-hook.
+                self._deferred.apply_all(late=True)
             self._follow_world_size()
+            if self._trace is not None:
+                self._trace.backward_step(time.perf_counter())
+        if self._trace is not None:
+            self._poll_trace()
         self._passes_left[p] -= 1
         if self._passes_left[p] == 0:
             self._submit(p)
@@ -371,6 +399,9 @@ class SparseOptimizerMixin:
                 slot.stage = slot.reducer.start(None)
             else:
                 slot.stage = slot.reducer.start(slot.flat, self._prescale)
+            if self._trace is not None:
+                kind = "reduce-scatter" if isinstance(slot.stage, ScatterInFlight) else "allreduce"
+                self._trace.launched(slot.bucket.name, slot.bucket.name, kind, time.perf_counter())
 
     # ------------------------------------------------------------------ public API
     def synchronize(self) -> None:
@@ -385,27 +416,131 @@ class SparseOptimizerMixin:
             with optimizer.skip_synchronize():
                 optimizer.step()
         """
+        if self._deferred is not None:
+            raise RuntimeError(
+                "synchronize() is not available with overlap_allgather=True: gradient "
+                "clipping needs every averaged gradient before the step, but the all-gathers "
+                "are deferred to the next forward pass. Turn overlap_allgather off to clip"
+            )
+        for slot, stage in self._launch_gathers():
+            # The bucket buffer is free again: the result is written into it.
+            result = self._finish_bucket(slot, stage)
+            for entry, p in zip(slot.bucket.entries, slot.params):
+                p.grad.copy_(result[entry.offset : entry.offset + entry.numel].view_as(p.grad))
+        self._record_step()
+        self._end_step()
+        self._synchronized = True
+
+    def _launch_gathers(self) -> list[tuple[_BucketSlot, GatherInFlight]]:
+        """Finish every reduce-scatter and launch every all-gather (waits for none)."""
         if not self._step_open:
             self._follow_world_size()
         # Parameters whose hook did not fire (unused this step) still take part.
         for p, left in self._passes_left.items():
             if left > 0:
                 self._submit(p)
-        # Finish every reduce-scatter and launch every all-gather before waiting for any.
+        trace = self._trace
+        ended = time.perf_counter()
+        if trace is not None:
+            self._poll_trace()
+            trace.backward_ended(ended)
+        launched = []
         for slot in self._buckets:
-            slot.stage = slot.reducer.reduce_and_gather(slot.stage)
-        for slot in self._buckets:
-            # The bucket buffer is free again: the result is written into it.
-            result = slot.reducer.finish(slot.stage, slot.flat, self._postscale, out=slot.flat)
-            for entry, p in zip(slot.bucket.entries, slot.params):
-                p.grad.copy_(result[entry.offset : entry.offset + entry.numel].view_as(p.grad))
+            began = time.perf_counter()
+            was_scatter = isinstance(slot.stage, ScatterInFlight)
+            stage = slot.reducer.reduce_and_gather(slot.stage)
+            if trace is not None:
+                name = slot.bucket.name
+                trace.waited(name, began, time.perf_counter(), ended if was_scatter else None)
+                if was_scatter:
+                    trace.launched(f"{name}.ag", name, "all-gather", time.perf_counter())
+            launched.append((slot, stage))
             slot.stage = None
+        return launched
+
+    def _finish_bucket(self, slot: _BucketSlot, stage: GatherInFlight) -> torch.Tensor:
+        """Wait for one bucket's all-gather (or dense allreduce); the result, flat."""
+        began = time.perf_counter()
+        result = slot.reducer.finish(stage, slot.flat, self._postscale, out=slot.flat)
+        if self._trace is not None:
+            # A sparse step's all-gather, or the allreduce of a dense bucket or step.
+            gather = f"{slot.bucket.name}.ag"
+            key = gather if self._trace.in_flight(gather) else slot.bucket.name
+            self._trace.waited(key, began, time.perf_counter(), None)
+        return result
+
+    def _record_step(self) -> None:
         # Keep the raw figures; stats() reads them, so a step adds no device-to-host sync.
         self._step_records = [(slot.reducer, *slot.reducer.step_record()) for slot in self._buckets]
+
+    def _end_step(self) -> None:
         if self._correction is not None:
             self._correction.end_step()
         self._begin_step()
-        self._synchronized = True
+
+    def _poll_trace(self) -> None:
+        """Note reduce-scatters that finished (the trace's lifetimes); never blocks."""
+        now = time.perf_counter()
+        for slot in self._buckets:
+            if slot.stage is not None:
+                done = BACKEND.poll(_handle_of(slot.stage))
+                self._trace.polled(slot.bucket.name, done, now)
+
+    def write_trace(self) -> str | None:
+        """Write the Chrome trace (option ``trace``); returns its path, or None."""
+        return self._trace.write() if self._trace is not None else None
+
+    def trace_summary(self) -> dict[str, float]:
+        """Reduce-scatter time hidden behind backward so far (option ``trace``)."""
+        if self._trace is None:
+            raise RuntimeError("pass trace=<path> to the optimizer to record a trace")
+        hidden = self._trace.hidden
+        return {
+            "reduce_scatters": hidden.count,
+            "lifetime_s": hidden.lifetime,
+            "hidden_s": hidden.hidden,
+            "hidden_fraction": hidden.fraction,
+        }
+
+    # ------------------------------------------------------------------ overlap
+    def _step_deferred(self, closure: Any) -> Any:
+        """``step()`` with overlap_allgather: launch the all-gathers and return; each
+        bucket's update is applied before its parameters are next used."""
+        if closure is not None:
+            raise ValueError("step(closure) is not supported with overlap_allgather=True")
+        self._deferred.apply_all()  # a step() with no forward since the last one
+        self._deferred.defer(self._launch_gathers())
+        self._end_step()
+        return None
+
+    def _apply_bucket(self, slot: _BucketSlot, stage: GatherInFlight) -> None:
+        """Wait for ``slot``'s all-gather and step the wrapped optimizer over its parameters.
+
+        ``p.grad`` holds the averaged gradient (a view of the bucket) during the step
+        only; afterwards it is what it was (None after ``zero_grad()``), so the next
+        backward accumulates into a clean gradient.
+        """
+        result = self._finish_bucket(slot, stage)
+        saved = [p.grad for p in slot.params]
+        for entry, p in zip(slot.bucket.entries, slot.params):
+            p.grad = result[entry.offset : entry.offset + entry.numel].view_as(p)
+        try:
+            with self._deferred.only(slot.params):
+                self._wrapped_step(None)
+        finally:
+            for p, grad in zip(slot.params, saved):
+                p.grad = grad
+        if not self._deferred.pending:
+            self._record_step()
+
+    def flush(self) -> None:
+        """Apply every update still waiting for its all-gather (``overlap_allgather``).
+
+        Call it after the last ``step()`` when no forward pass follows; the optimizer's
+        and the model's ``state_dict()`` call it too. A no-op without overlap.
+        """
+        if self._deferred is not None:
+            self._deferred.apply_all()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -417,6 +552,12 @@ class SparseOptimizerMixin:
             self._should_synchronize = True
 
     def step(self, closure: Any = None) -> Any:
+        if self._deferred is not None:
+            if not self._should_synchronize:
+                raise RuntimeError(
+                    "skip_synchronize() is not available with overlap_allgather=True"
+                )
+            return self._step_deferred(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(
@@ -426,6 +567,9 @@ class SparseOptimizerMixin:
                 )
             self.synchronize()
         self._synchronized = False
+        return self._wrapped_step(closure)
+
+    def _wrapped_step(self, closure: Any) -> Any:
         if self._correction is None:
             return super().step(closure)
         return self._correction.step(super().step, closure)
@@ -473,6 +617,7 @@ class SparseOptimizerMixin:
         Residuals are per rank: save one checkpoint per rank to resume exactly. See
         :meth:`load_state_dict` for loading on another rank or world size.
         """
+        self.flush()
         state = super().state_dict()
         state[_STATE_KEY] = {
             "rank": self.process_set.rank(),
@@ -508,7 +653,10 @@ class SparseOptimizerMixin:
         sparse_state = state_dict.pop(_STATE_KEY, None)
         super().load_state_dict(state_dict)
         # A step interrupted by a failure (elastic restore) leaves exchanges in flight
-        # whose handles belong to the old world; the restored state replaces them.
+        # whose handles belong to the old world; the restored state replaces them, as
+        # it replaces updates still deferred to the next forward.
+        if self._deferred is not None:
+            self._deferred.discard()
         self._begin_step()
         if sparse_state is None:
             return
@@ -585,6 +733,10 @@ def allgather_object(obj: Any, name: str, process_set: Any) -> list[Any]:
     return out
 
 
+def _handle_of(stage: ScatterInFlight | GatherInFlight) -> Any:
+    return stage.sent.handle if isinstance(stage, ScatterInFlight) else stage.handle
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -612,6 +764,9 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     repartition_steps: int = 50,
     error_feedback: bool = True,
     momentum_correction: bool | None = None,
+    model: torch.nn.Module | None = None,
+    overlap_allgather: bool = False,
+    trace: str | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so its gradients are reduced by sparse allreduce.
 
@@ -649,6 +804,9 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
         sparse_as_dense=sparse_as_dense,
         process_set=process_set,
         momentum_correction=momentum_correction,
+        model=model,
+        overlap_allgather=overlap_allgather,
+        trace=trace,
         config_knobs=dict(
             density=density,
             min_sparse_numel=min_sparse_numel,
