@@ -98,6 +98,8 @@ class BucketReducer:
         # An adapter's momentum-correction velocity over the bucket, or None: entries this
         # rank selects are zeroed in it too (momentum factor masking).
         self.velocity: Tensor | None = None
+        # Set by an automatic scheduler: exchange this bucket densely while True.
+        self.force_dense = False
         self.k = config.budget(numel)  # budget of the current step
         self._accounting: dict[str, Any] = {}
 
@@ -127,7 +129,7 @@ class BucketReducer:
         if grad is not None:
             self.residual = ops.add_scaled_(self.residual, grad, prescale)
         accumulator = self.residual
-        if self.k >= self.numel:
+        if self.k >= self.numel or self.force_dense:
             return self._start_dense(accumulator, began)
         # Step 3: local selection; what is not selected stays in the residual.
         indices = self.selection.select(ops, accumulator, self.k)
@@ -313,6 +315,8 @@ class BucketReducer:
             density=int(total) / self.numel,
             seconds_select=float(select),
             seconds_exchange=float(exchange),
+            dense_buckets=int(dense),
+            sparse_buckets=1 - int(dense),
         )
 
     def last_stats(self) -> StepStats:
@@ -424,6 +428,7 @@ class DenseBucketReducer:
             selected=self.numel,
             density=1.0,
             seconds_exchange=float(seconds),
+            dense_buckets=1,
         )
 
     def last_stats(self) -> StepStats:

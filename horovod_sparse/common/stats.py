@@ -59,6 +59,9 @@ class StepStats:
         density: achieved density, ``selected / numel``.
         seconds_select: host time in local and global selection.
         seconds_exchange: host time issuing and waiting for collectives.
+        dense_buckets: buckets exchanged densely this step (small-tensor buckets,
+            warm-up, or the automatic scheduler's choice).
+        sparse_buckets: buckets exchanged sparsely this step.
     """
 
     bytes_sent: int = 0
@@ -69,6 +72,8 @@ class StepStats:
     density: float = 0.0
     seconds_select: float = 0.0
     seconds_exchange: float = 0.0
+    dense_buckets: int = 0
+    sparse_buckets: int = 0
 
     @property
     def compression_ratio(self) -> float:

@@ -230,5 +230,15 @@ class TFBackend:
     def allreduce_sum_async(self, tensor: tf.Tensor, name: str, process_set: Any) -> Any:
         return hvd.allreduce(tensor, op=hvd.Sum, name=name, process_set=process_set)
 
+    def from_host(self, values: list[float], like: tf.Tensor) -> tf.Tensor:
+        return tf.constant(values, dtype=tf.float64)
+
+    def broadcast(self, tensor: tf.Tensor, root: int, name: str, process_set: Any) -> tf.Tensor:
+        return hvd.broadcast(tensor, root, name=name, process_set=process_set)
+
+    def poll(self, handle: Any) -> bool:
+        # TF collectives are ops whose result is the tensor itself: done when it exists.
+        return True
+
     def wait(self, handle: Any) -> Any:
         return handle

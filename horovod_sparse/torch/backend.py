@@ -259,6 +259,12 @@ class TorchBackend:
         handle = hvd.allreduce_async(tensor, name=name, op=hvd.Sum, process_set=process_set)
         return _Pending(handle, "plain")
 
+    def from_host(self, values: list[float], like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float64, device=like.device)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, name: str, process_set: Any) -> Any:
+        return hvd.broadcast(tensor, root_rank=root, name=name, process_set=process_set)
+
     def poll(self, pending: _Pending) -> bool:
         """Whether the collective finished (never blocks)."""
         return bool(hvd.poll(pending.handle))

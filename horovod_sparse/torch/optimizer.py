@@ -30,6 +30,7 @@ from horovod_sparse.common.pipeline import (
     GatherInFlight,
     ScatterInFlight,
 )
+from horovod_sparse.common.scheduler import AutoScheduler
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.common.trace import Trace
 from horovod_sparse.common.validation import raise_on_any_rank, verdict_of
@@ -40,6 +41,7 @@ from horovod_sparse.torch.overlap import DeferredUpdates
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
 
 _STATE_KEY = "horovod_sparse"
+SCHEDULERS = ("fixed", "auto")
 
 
 @dataclass
@@ -91,6 +93,8 @@ class SparseOptimizerMixin:
         model: torch.nn.Module | None = None,
         overlap_allgather: bool = False,
         trace: str | None = None,
+        scheduler: str = "fixed",
+        scheduler_steps: int = 100,
         **kwargs: Any,
     ) -> None:
         super().__init__(params, *args, **kwargs)
@@ -108,6 +112,8 @@ class SparseOptimizerMixin:
             model=model,
             overlap_allgather=overlap_allgather,
             trace=trace,
+            scheduler=scheduler,
+            scheduler_steps=scheduler_steps,
             config_knobs=dict(
                 density=density,
                 min_sparse_numel=min_sparse_numel,
@@ -139,6 +145,8 @@ class SparseOptimizerMixin:
         model: torch.nn.Module | None,
         overlap_allgather: bool,
         trace: str | None,
+        scheduler: str,
+        scheduler_steps: int,
         config_knobs: dict[str, Any],
     ) -> None:
         if not process_set.included():
@@ -161,6 +169,10 @@ class SparseOptimizerMixin:
             correction = make_correction(
                 self, momentum_correction, config.density < 1.0 or config.warmup_steps > 0
             )
+            if scheduler not in SCHEDULERS:
+                raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
+            if int(scheduler_steps) < 1:
+                raise ValueError(f"scheduler_steps must be >= 1, got {scheduler_steps}")
             if overlap_allgather and not isinstance(model, torch.nn.Module):
                 raise TypeError(
                     "overlap_allgather=True needs model=<the torch.nn.Module being trained>: "
@@ -225,6 +237,16 @@ class SparseOptimizerMixin:
         self._deferred: DeferredUpdates | None = None
         if overlap_allgather:
             self._deferred = DeferredUpdates(self, model, self._slot_of, self._apply_bucket)
+        self._scheduler: AutoScheduler | None = None
+        if scheduler == "auto" and self._sparse_slots():
+            self._scheduler = AutoScheduler(
+                BACKEND,
+                "hvds.opt.schedule",
+                process_set,
+                [(s.bucket.numel, s.flat.element_size()) for s in self._sparse_slots()],
+                config.density,
+                every=scheduler_steps,
+            )
         self._trace: Trace | None = Trace(trace, process_set.rank()) if trace is not None else None
         self._begin_step()
 
@@ -272,6 +294,7 @@ class SparseOptimizerMixin:
             if isinstance(old, BucketReducer):
                 slot.reducer.load_state_dict(old.state_dict())  # boundaries: re-cut
                 self._mask_sent_entries(slot)
+        self._apply_schedule()
         self._step_records = []
 
     def _name_parameters(
@@ -358,6 +381,8 @@ class SparseOptimizerMixin:
                 # Updates of the last step not yet applied by a forward pre-hook.
                 self._deferred.apply_all(late=True)
             self._follow_world_size()
+            if self._scheduler is not None:
+                self._reschedule()
             if self._trace is not None:
                 self._trace.backward_step(time.perf_counter())
         if self._trace is not None:
@@ -472,6 +497,44 @@ class SparseOptimizerMixin:
     def _record_step(self) -> None:
         # Keep the raw figures; stats() reads them, so a step adds no device-to-host sync.
         self._step_records = [(slot.reducer, *slot.reducer.step_record()) for slot in self._buckets]
+        if self._scheduler is not None:
+            # Host seconds of a sparse step's local work, for the next decision.
+            for choice, slot in zip(self._scheduler.choices, self._sparse_slots()):
+                _, accounting = slot.reducer.step_record()
+                if not accounting["dense"]:
+                    choice.observe(float(accounting["select"]))
+
+    def _reschedule(self) -> None:
+        """Every ``scheduler_steps`` steps: dense or sparse per bucket (same on every rank)."""
+        slots = self._sparse_slots()
+        if not self._scheduler.due(slots[0].reducer.step):
+            return
+        self._scheduler.decide(slots[0].flat)
+        self._apply_schedule()
+
+    def _apply_schedule(self) -> None:
+        if self._scheduler is not None:
+            for choice, slot in zip(self._scheduler.choices, self._sparse_slots()):
+                slot.reducer.force_dense = choice.dense
+
+    def schedule(self) -> dict[str, dict[str, Any]]:
+        """Per sparse bucket: the exchange the scheduler chose and its predictions.
+
+        ``{"mode": "dense" | "sparse", "predicted_dense_s", "predicted_sparse_s",
+        "local_s_per_element"}``; the mode is "sparse" and the figures NaN before the
+        first decision, or with ``scheduler="fixed"``.
+        """
+        out = {}
+        choices = self._scheduler.choices if self._scheduler is not None else []
+        for index, slot in enumerate(self._sparse_slots()):
+            choice = choices[index] if choices else None
+            out[slot.bucket.name] = {
+                "mode": "dense" if slot.reducer.force_dense else "sparse",
+                "predicted_dense_s": choice.predicted_dense if choice else float("nan"),
+                "predicted_sparse_s": choice.predicted_sparse if choice else float("nan"),
+                "local_s_per_element": choice.local_per_element if choice else float("nan"),
+            }
+        return out
 
     def _end_step(self) -> None:
         if self._correction is not None:
@@ -767,6 +830,8 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     model: torch.nn.Module | None = None,
     overlap_allgather: bool = False,
     trace: str | None = None,
+    scheduler: str = "fixed",
+    scheduler_steps: int = 100,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so its gradients are reduced by sparse allreduce.
 
@@ -778,6 +843,17 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
         fusion_threshold_bytes: bucket size; default ``HOROVOD_FUSION_THRESHOLD`` or 128 MiB.
         selection, partition, warmup_steps, density_decay_steps, reestimate_steps,
         repartition_steps: see :class:`~horovod_sparse.common.config.SparseConfig`.
+        overlap_allgather: defer each bucket's all-gather and update to a forward
+            pre-hook of the next iteration (needs ``model``; see
+            :mod:`horovod_sparse.torch.overlap`). Refuses ``synchronize()`` (clipping).
+        model: the module being trained, for ``overlap_allgather``.
+        trace: write a Chrome trace of the exchange to this path (``{rank}`` is
+            replaced) with :meth:`write_trace`; :meth:`trace_summary` says how much
+            reduce-scatter time backward hid.
+        scheduler: ``"fixed"`` (every large bucket sparse) or ``"auto"`` (dense or
+            sparse per bucket from an alpha-beta model of the link and the measured
+            selection cost; see :mod:`horovod_sparse.common.scheduler`).
+        scheduler_steps: steps between the automatic scheduler's decisions.
 
     ``groups`` (lists of parameters) and ``num_groups`` define the fusion buckets.
     The returned object is an instance of ``Sparse<OptimizerClass>``, a subclass of both
@@ -807,6 +883,8 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
         model=model,
         overlap_allgather=overlap_allgather,
         trace=trace,
+        scheduler=scheduler,
+        scheduler_steps=scheduler_steps,
         config_knobs=dict(
             density=density,
             min_sparse_numel=min_sparse_numel,

@@ -1,0 +1,226 @@
+"""Automatic dense or sparse exchange per bucket, from an alpha-beta model of the link.
+
+A sparse step of a bucket of n elements with budget k costs local work (error feedback,
+selection, owner reduction, global selection: measured, per element) plus its
+collectives; a dense step costs one ring allreduce of n values. With a link of
+per-message latency alpha and per-byte time beta (fitted from timed allreduces on the
+process set itself) and P ranks:
+
+* dense:  ``2(P-1) alpha + 2 (P-1)/P * n * s * beta`` (s: bytes per value);
+* sparse: ``c * n`` (measured local work) plus the alltoall ``(P-1) alpha + k r beta``,
+  four histogram allreduces ``4 (2(P-1) alpha + 2 (P-1)/P * 1 KiB * beta)`` and the
+  all-gather ``(P-1) alpha + k r beta`` (r: bytes per (index, value) row).
+
+A bucket goes dense when the dense prediction is lower. Decisions are taken every
+``every`` steps, from the mean over ranks of each bucket's measured local work and from a
+fresh probe of the link; rank 0's decision is broadcast, so every rank exchanges each
+bucket the same way. Both sides only need numbers: the probes and the broadcast run
+through the framework backend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from horovod_sparse.common.backend import Backend, Tensor
+from horovod_sparse.common.global_selection import HISTOGRAM_BINS, RADIX_SHIFTS
+
+__all__ = ["AutoScheduler", "LinkModel", "dense_seconds", "fit_link", "sparse_seconds"]
+
+# Probe sizes in float32 elements: the smallest isolates alpha, the larger ones beta.
+PROBE_NUMELS = (1, 1 << 18, 1 << 21)
+PROBE_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Ring-allreduce cost: ``alpha`` seconds per message step, ``beta`` seconds per byte."""
+
+    alpha: float
+    beta: float
+
+
+def ring_terms(numel: int, itemsize: int, world_size: int) -> tuple[float, float]:
+    """(message steps, bytes out per rank) of a ring allreduce."""
+    p = world_size
+    return 2.0 * (p - 1), 2.0 * (p - 1) / p * numel * itemsize
+
+
+def fit_link(samples: list[tuple[int, float]], world_size: int, itemsize: int = 4) -> LinkModel:
+    """Least-squares ``alpha``, ``beta`` (both >= 0) from (numel, seconds) allreduce timings."""
+    rows = [(*ring_terms(n, itemsize, world_size), t) for n, t in samples]
+    sxx = sum(m * m for m, _, _ in rows)
+    sxy = sum(m * b for m, b, _ in rows)
+    syy = sum(b * b for _, b, _ in rows)
+    sxt = sum(m * t for m, _, t in rows)
+    syt = sum(b * t for _, b, t in rows)
+    det = sxx * syy - sxy * sxy
+    if det > 0:
+        alpha = (sxt * syy - syt * sxy) / det
+        beta = (sxx * syt - sxy * sxt) / det
+        if alpha >= 0 and beta >= 0:
+            return LinkModel(alpha, beta)
+    # Degenerate or negative fit: latency from the smallest probe, bandwidth from the largest.
+    small = min(rows, key=lambda row: row[1])
+    large = max(rows, key=lambda row: row[1])
+    alpha = max(0.0, small[2] / small[0]) if small[0] else 0.0
+    beta = max(0.0, (large[2] - alpha * large[0]) / large[1]) if large[1] else 0.0
+    return LinkModel(alpha, beta)
+
+
+def dense_seconds(link: LinkModel, numel: int, itemsize: int, world_size: int) -> float:
+    """Predicted time of a dense step: one ring allreduce of ``numel`` values."""
+    if world_size <= 1:
+        return 0.0
+    steps, volume = ring_terms(numel, itemsize, world_size)
+    return link.alpha * steps + link.beta * volume
+
+
+def sparse_seconds(
+    link: LinkModel,
+    numel: int,
+    k: int,
+    world_size: int,
+    local_seconds_per_element: float,
+    row_bytes: int = 8,
+) -> float:
+    """Predicted time of a sparse step: measured local work plus its five collectives."""
+    p = world_size
+    local = local_seconds_per_element * numel
+    if p <= 1:
+        return local
+    rows_out = k * (p - 1) / p  # a rank's share of k rows, minus its own region
+    alltoall = link.alpha * (p - 1) + link.beta * rows_out * row_bytes
+    allgather = link.alpha * (p - 1) + link.beta * rows_out * row_bytes
+    histograms = len(RADIX_SHIFTS) * dense_seconds(link, HISTOGRAM_BINS, 4, p)
+    return local + alltoall + histograms + allgather
+
+
+@dataclass
+class BucketChoice:
+    """The scheduler's view of one bucket: its last prediction and decision."""
+
+    numel: int
+    itemsize: int
+    dense: bool = False
+    local_per_element: float = math.nan  # measured; NaN until a sparse step is seen
+    predicted_dense: float = math.nan
+    predicted_sparse: float = math.nan
+    _local_sum: float = 0.0
+    _local_count: int = 0
+
+    def observe(self, local_seconds: float) -> None:
+        self._local_sum += local_seconds
+        self._local_count += 1
+
+    def take_mean(self) -> float:
+        """Mean local seconds per element since the last decision (NaN if none)."""
+        if not self._local_count:
+            return math.nan
+        mean = self._local_sum / self._local_count / self.numel
+        self._local_sum, self._local_count = 0.0, 0
+        return mean
+
+
+class AutoScheduler:
+    """Dense or sparse per bucket, revisited every ``every`` steps; same on every rank.
+
+    Args:
+        ops: framework primitives (timed allreduces, one broadcast).
+        name: collective-name stem.
+        process_set: the ranks taking part.
+        buckets: (numel, bytes per value) of each sparse bucket, in bucket order.
+        density: the density a sparse step uses (k = ceil(density * n)).
+        every: steps between decisions (the first one after ``first`` steps).
+        first: sparse steps measured before the first decision.
+    """
+
+    def __init__(
+        self,
+        ops: Backend,
+        name: str,
+        process_set: Any,
+        buckets: list[tuple[int, int]],
+        density: float,
+        every: int = 100,
+        first: int = 5,
+    ) -> None:
+        if int(every) < 1:
+            raise ValueError(f"scheduler_steps must be >= 1, got {every}")
+        self.ops = ops
+        self.name = name
+        self.process_set = process_set
+        self.density = float(density)
+        self.every = int(every)
+        self.first = int(first)
+        self.choices = [BucketChoice(n, size) for n, size in buckets]
+        self.link: LinkModel | None = None
+        self.decisions = 0
+
+    def due(self, step: int) -> bool:
+        return step == self.first or (step > self.first and (step - self.first) % self.every == 0)
+
+    def decide(self, like: Tensor) -> list[bool]:
+        """Probe the link, share the measured local work, and choose; returns dense flags.
+
+        Sends: ``len(PROBE_NUMELS) * PROBE_REPEATS`` allreduces (up to 8 MiB), one
+        allreduce of 2 values per bucket, one broadcast of one value per bucket.
+        """
+        ops = self.ops
+        world = ops.size(self.process_set)
+        samples = []
+        for numel in PROBE_NUMELS:
+            best = math.inf
+            for repeat in range(PROBE_REPEATS):
+                probe = ops.zeros(numel, like)
+                began = ops.clock()
+                ops.wait(
+                    ops.allreduce_sum_async(
+                        probe, f"{self.name}.probe{numel}.{repeat}", self.process_set
+                    )
+                )
+                best = min(best, ops.clock() - began)
+            samples.append((numel, best))
+        # Mean local work per element over ranks (measured on the buckets' sparse steps).
+        local = [choice.take_mean() for choice in self.choices]
+        pairs = []
+        for value in local:
+            pairs += [0.0, 0.0] if math.isnan(value) else [value, 1.0]
+        summed = ops.to_host_list(
+            ops.wait(
+                ops.allreduce_sum_async(
+                    ops.from_host(pairs, like), f"{self.name}.local", self.process_set
+                )
+            )
+        )
+        link = fit_link(samples, world)
+        dense = []
+        for index, choice in enumerate(self.choices):
+            total, count = summed[2 * index], summed[2 * index + 1]
+            if count > 0:
+                choice.local_per_element = total / count
+            if math.isnan(choice.local_per_element):
+                dense.append(choice.dense)  # no measurement yet: keep the current mode
+                continue
+            k = max(1, math.ceil(self.density * choice.numel))
+            choice.predicted_dense = dense_seconds(link, choice.numel, choice.itemsize, world)
+            choice.predicted_sparse = sparse_seconds(
+                link, choice.numel, k, world, choice.local_per_element
+            )
+            dense.append(choice.predicted_dense < choice.predicted_sparse)
+        # Rank 0's choice for everyone: float rounding can never split the ranks.
+        flags = ops.to_host_list(
+            ops.broadcast(
+                ops.from_host([float(d) for d in dense], like),
+                0,
+                f"{self.name}.choice",
+                self.process_set,
+            )
+        )
+        for choice, flag in zip(self.choices, flags):
+            choice.dense = bool(flag)
+        self.link = link
+        self.decisions += 1
+        return [choice.dense for choice in self.choices]

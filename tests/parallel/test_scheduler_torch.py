@@ -1,0 +1,115 @@
+"""scheduler="auto": one choice per bucket on every rank, visible in stats() and schedule()."""
+
+import math
+
+import horovod.torch as hvd
+import pytest
+import torch
+
+import horovod_sparse.common.scheduler as scheduler_module
+import horovod_sparse.torch as hvds
+from horovod_sparse.common.scheduler import LinkModel
+
+hvd.init()
+
+
+def model_and_optimizer(**options):
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32))
+    opt = hvds.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model.named_parameters(),
+        density=0.02,
+        fusion_threshold_bytes=40_000,  # one sparse bucket per weight matrix
+        scheduler="auto",
+        scheduler_steps=4,
+        **options,
+    )
+    return model, opt
+
+
+def train(model, opt, steps):
+    modes = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step * 17 + hvd.rank())
+        x = torch.randn(8, 64, generator=g)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        stats = opt.stats()
+        modes.append((stats.dense_buckets, stats.sparse_buckets))
+    return modes
+
+
+def agree(values) -> bool:
+    gathered = hvd.allgather_object(values, name=f"agree.{len(str(values))}")
+    return all(v == gathered[0] for v in gathered)
+
+
+def spread(model) -> float:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return (hvd.allreduce(flat, op=hvd.Max) - hvd.allreduce(flat, op=hvd.Min)).abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "link, dense_expected",
+    [(LinkModel(alpha=1.0, beta=0.0), True), (LinkModel(alpha=0.0, beta=1.0), False)],
+    ids=["latency-bound-goes-dense", "bandwidth-bound-stays-sparse"],
+)
+def test_auto_chooses_from_the_link_and_every_rank_agrees(monkeypatch, link, dense_expected):
+    # Replace the fitted link by an extreme one so the right choice is not in doubt.
+    monkeypatch.setattr(scheduler_module, "fit_link", lambda samples, world: link)
+    model, opt = model_and_optimizer()
+    sparse_buckets = len(opt.residuals())
+    assert sparse_buckets == 2
+    modes = train(model, opt, 12)
+    # Steps before the first decision (step 5) are sparse for both weight buckets.
+    assert modes[0] == (1, 2)  # the biases' dense bucket, two sparse buckets
+    wanted = (3, 0) if dense_expected else (1, 2)
+    assert modes[-1] == wanted
+    schedule = opt.schedule()
+    assert {entry["mode"] for entry in schedule.values()} == {
+        "dense" if dense_expected else "sparse"
+    }
+    for entry in schedule.values():
+        assert math.isfinite(entry["predicted_dense_s"])
+        assert math.isfinite(entry["predicted_sparse_s"])
+        assert entry["local_s_per_element"] > 0
+    assert agree(modes) and agree(sorted((k, v["mode"]) for k, v in schedule.items()))
+    assert spread(model) == 0.0
+
+
+def test_auto_with_the_measured_link_keeps_ranks_identical():
+    model, opt = model_and_optimizer()
+    modes = train(model, opt, 14)
+    assert opt._scheduler.decisions == 3  # steps 5, 9, 13
+    assert agree(modes) and agree([v["mode"] for v in opt.schedule().values()])
+    assert all(dense + sparse == 3 for dense, sparse in modes)
+    assert spread(model) == 0.0
+    link = opt._scheduler.link
+    assert link.alpha >= 0 and link.beta >= 0
+
+
+def test_switching_to_dense_folds_the_residual_in():
+    """No mass lost at the switch: a dense step sends residual + gradient, and after it
+    the residual is zero on every rank."""
+    model, opt = model_and_optimizer()
+    train(model, opt, 5)
+    assert any(r.abs().sum() > 0 for r in opt.residuals().values())
+    for slot in opt._sparse_slots():
+        slot.reducer.force_dense = True  # what a dense decision sets
+    opt._scheduler.every = 10**9  # and no decision to undo it
+    opt._scheduler.first = 10**9
+    train(model, opt, 1)
+    assert all(r.abs().sum() == 0 for r in opt.residuals().values())
+    assert opt.stats().dense_buckets == 3
+
+
+def test_bad_scheduler_is_refused_on_every_rank():
+    model = torch.nn.Linear(64, 64)
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        hvds.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model.named_parameters(),
+            scheduler="sometimes",
+        )

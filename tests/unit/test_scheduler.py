@@ -1,0 +1,128 @@
+"""The automatic dense/sparse choice: the alpha-beta fit, the predictions, the decision."""
+
+import math
+
+import pytest
+
+from horovod_sparse.common.scheduler import (
+    AutoScheduler,
+    LinkModel,
+    dense_seconds,
+    fit_link,
+    ring_terms,
+    sparse_seconds,
+)
+
+
+def ring_time(link: LinkModel, numel: int, world: int) -> float:
+    steps, volume = ring_terms(numel, 4, world)
+    return link.alpha * steps + link.beta * volume
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_fit_recovers_alpha_and_beta(world):
+    true = LinkModel(alpha=3e-3, beta=8e-9)  # about 1 Gbit/s with 3 ms per message
+    samples = [(n, ring_time(true, n, world)) for n in (1, 1 << 18, 1 << 21)]
+    fitted = fit_link(samples, world)
+    assert fitted.alpha == pytest.approx(true.alpha, rel=1e-6)
+    assert fitted.beta == pytest.approx(true.beta, rel=1e-6)
+
+
+def test_fit_never_returns_negative_costs():
+    # Noisy probes where the large message looks faster than the small one.
+    fitted = fit_link([(1, 2e-3), (1 << 18, 1e-3), (1 << 21, 1.5e-3)], 4)
+    assert fitted.alpha >= 0 and fitted.beta >= 0
+
+
+def test_predictions_follow_the_formulas():
+    link, n, k, world = LinkModel(1e-4, 1e-9), 1_000_000, 10_000, 4
+    assert dense_seconds(link, n, 4, world) == pytest.approx(6 * 1e-4 + 1.5 * n * 4 * 1e-9)
+    local = 2e-9
+    rows = k * 3 / 4
+    histograms = 4 * (6 * 1e-4 + 1.5 * 256 * 4 * 1e-9)
+    expected = local * n + 2 * (3 * 1e-4 + rows * 8 * 1e-9) + histograms
+    assert sparse_seconds(link, n, k, world, local) == pytest.approx(expected)
+    assert dense_seconds(link, n, 4, 1) == 0.0
+
+
+def test_slow_links_favour_sparse_and_fast_links_dense():
+    n, k, world, local = 25_000_000, 250_000, 4, 2.5e-9  # measured: 60 ms per 25M pass
+    one_gbit = LinkModel(alpha=3e-3, beta=8e-9)
+    loopback = LinkModel(alpha=5e-5, beta=2e-10)
+    assert sparse_seconds(one_gbit, n, k, world, local) < dense_seconds(one_gbit, n, 4, world)
+    assert sparse_seconds(loopback, n, k, world, local) > dense_seconds(loopback, n, 4, world)
+    # A small bucket pays the sparse latency (ten message steps per rank) for little.
+    assert sparse_seconds(one_gbit, 4096, 41, world, local) > dense_seconds(
+        one_gbit, 4096, 4, world
+    )
+
+
+class FakeOps:
+    """One rank of ``world`` over a link ``link``: allreduce time from the ring model,
+    read through ``clock``; the sums are those of ``world`` identical ranks."""
+
+    def __init__(self, link: LinkModel, world: int) -> None:
+        self.link, self.world, self.now = link, world, 0.0
+        self.broadcasts = 0
+
+    def size(self, process_set):
+        return self.world
+
+    def zeros(self, numel, like):
+        return [0.0] * numel
+
+    def clock(self, *after):
+        return self.now
+
+    def allreduce_sum_async(self, tensor, name, process_set):
+        self.now += ring_time(self.link, len(tensor), self.world)
+        return [self.world * v for v in tensor]
+
+    def wait(self, handle):
+        return handle
+
+    def from_host(self, values, like):
+        return list(values)
+
+    def to_host_list(self, tensor):
+        return list(tensor)
+
+    def broadcast(self, tensor, root, name, process_set):
+        self.broadcasts += 1
+        return tensor
+
+
+@pytest.mark.parametrize(
+    "link, expected",
+    [(LinkModel(3e-3, 8e-9), [True, False]), (LinkModel(5e-5, 2e-10), [True, True])],
+    ids=["1gbit", "loopback"],
+)
+def test_decide_measures_the_link_and_chooses_per_bucket(link, expected):
+    ops = FakeOps(link, 4)
+    buckets = [(4096, 4), (25_000_000, 4)]
+    scheduler = AutoScheduler(ops, "s", None, buckets, density=0.01, every=10, first=5)
+    assert [scheduler.due(s) for s in (0, 4, 5, 6, 15, 25)] == [0, 0, 1, 0, 1, 1]
+    for choice in scheduler.choices:
+        for _ in range(3):
+            choice.observe(2.5e-9 * choice.numel)
+    flags = scheduler.decide(like=None)
+    assert flags == expected
+    assert ops.broadcasts == 1
+    assert scheduler.link.alpha == pytest.approx(link.alpha, rel=1e-6)
+    big = scheduler.choices[1]
+    assert big.local_per_element == pytest.approx(2.5e-9)
+    assert big.predicted_sparse == pytest.approx(
+        sparse_seconds(scheduler.link, big.numel, 250_000, 4, 2.5e-9)
+    )
+
+
+def test_a_bucket_never_measured_keeps_its_mode():
+    ops = FakeOps(LinkModel(5e-5, 2e-10), 2)
+    scheduler = AutoScheduler(ops, "s", None, [(10_000, 4)], density=0.01)
+    assert scheduler.decide(like=None) == [False]
+    assert math.isnan(scheduler.choices[0].predicted_dense)
+
+
+def test_bad_interval_is_refused():
+    with pytest.raises(ValueError, match="scheduler_steps"):
+        AutoScheduler(FakeOps(LinkModel(0, 0), 2), "s", None, [(10, 4)], 0.1, every=0)
