@@ -63,6 +63,13 @@ def main() -> None:
     parser.add_argument("--num-warmup-batches", type=int, default=3)
     parser.add_argument("--num-batches-per-iter", type=int, default=3)
     parser.add_argument("--num-iters", type=int, default=5)
+    parser.add_argument("--overlap", action="store_true", help="overlap_allgather=True")
+    parser.add_argument("--scheduler", choices=["fixed", "auto"], default="fixed")
+    parser.add_argument("--scheduler-steps", type=int, default=100)
+    parser.add_argument(
+        "--fusion-mb", type=float, default=None, help="bucket size (default: Horovod's)"
+    )
+    parser.add_argument("--trace", default=None, help="Chrome trace path ({rank} allowed)")
     parser.add_argument("--json", default=None, help="write a summary here (rank 0)")
     args = parser.parse_args()
 
@@ -81,9 +88,19 @@ def main() -> None:
         mode = "dense"
     else:
         optimizer = hvds.DistributedOptimizer(
-            optimizer, named_parameters=model.named_parameters(), density=args.density
+            optimizer,
+            named_parameters=model.named_parameters(),
+            density=args.density,
+            fusion_threshold_bytes=None if args.fusion_mb is None else int(args.fusion_mb * 2**20),
+            overlap_allgather=args.overlap,
+            model=model,
+            scheduler=args.scheduler,
+            scheduler_steps=args.scheduler_steps,
+            trace=args.trace,
         )
-        mode = f"sparse d={args.density}"
+        mode = ("auto" if args.scheduler == "auto" else f"sparse d={args.density}") + (
+            " +overlap" if args.overlap else ""
+        )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     parameters = sum(p.numel() for p in model.parameters())
 
@@ -108,10 +125,16 @@ def main() -> None:
         step_times.append(elapsed / args.num_batches_per_iter)
     mean = statistics.mean(rates)
     half_width = 1.96 * statistics.stdev(rates) / math.sqrt(len(rates)) if len(rates) > 1 else 0.0
-    moved = None
+    moved, extra = None, {}
     if mode != "dense":
+        optimizer.flush()  # the last step's deferred updates (overlap)
         s = optimizer.stats()
         moved = s.bytes_sent + s.bytes_received
+        extra["dense_buckets"], extra["sparse_buckets"] = s.dense_buckets, s.sparse_buckets
+        extra["schedule"] = {k: v["mode"] for k, v in optimizer.schedule().items()}
+        if args.trace:
+            extra["trace"] = optimizer.trace_summary()
+            optimizer.write_trace()
     if hvd.rank() == 0:
         total = mean * hvd.size()
         print(f"[{mode}] model {args.model}, {parameters:,} parameters, {hvd.size()} ranks")
@@ -132,6 +155,7 @@ def main() -> None:
                         "total_samples_per_s": total,
                         "median_step_s": statistics.median(step_times),
                         "bytes_per_step": moved,
+                        **extra,
                     },
                     f,
                 )

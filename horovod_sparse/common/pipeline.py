@@ -101,6 +101,7 @@ class BucketReducer:
         # Set by an automatic scheduler: exchange this bucket densely while True.
         self.force_dense = False
         self.k = config.budget(numel)  # budget of the current step
+        self._dense_lost: Tensor | None = None  # compression rounding of a dense step
         self._accounting: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- stage 1
@@ -165,13 +166,19 @@ class BucketReducer:
     def _start_dense(self, accumulator: Tensor, began: Any) -> GatherInFlight:
         """A dense step (warm-up, or density 1): allreduce the whole accumulator.
 
-        Sends: one ring allreduce of n values. Keeps: nothing; the residual is folded
-        into this step, so the switch to sparse starts from a zero residual.
+        Sends: one ring allreduce of n values. Keeps: only the rounding of lossy value
+        compression; the residual is folded into this step, so the switch to sparse
+        starts from it alone. Without compression the allreduce runs in place on the
+        residual buffer, which :meth:`finish` clears: no n-element allocation per step.
         """
         ops = self.ops
-        wire, ctx, _ = ops.compress(accumulator, self.compression)
-        handle = ops.allreduce_sum_async(wire, f"{self.name}.warm", self.process_set)
-        self.residual = ops.zeros(self.numel, accumulator)
+        wire, ctx, lost = ops.compress(accumulator, self.compression)
+        name = f"{self.name}.warm"
+        if wire is accumulator:
+            handle = ops.allreduce_sum_inplace_async(wire, name, self.process_set)
+        else:
+            handle = ops.allreduce_sum_async(wire, name, self.process_set)
+        self._dense_lost = lost
         self._accounting = {
             "dense": 1,
             "extra_bytes": allreduce_ring_bytes(self.numel, self.world_size, ops.itemsize(wire))[0],
@@ -246,7 +253,15 @@ class BucketReducer:
         if acc["dense"]:
             summed = ops.decompress(rows, inflight.compression_ctx)
             acc["gather_total"] = acc["gather_own"] = acc["gather_next"] = self.numel
-            return ops.scale(summed, postscale) if postscale != 1.0 else summed
+            if postscale != 1.0:
+                summed = ops.scale(summed, postscale)
+            # ``summed`` may be the residual buffer itself (in-place allreduce): copy it
+            # out before the residual is cleared.
+            result = ops.assign(out, summed) if out is not None else ops.copy(summed)
+            self.residual = ops.zero_(self.residual)
+            if self._dense_lost is not None:
+                self.residual = ops.add_scaled_(self.residual, self._dense_lost, 1.0)
+            return result
         indices, wire_values = ops.unpack_rows(rows, inflight.wire_like)
         values = ops.decompress(wire_values, inflight.compression_ctx)
         if postscale != 1.0:

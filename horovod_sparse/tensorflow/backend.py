@@ -230,6 +230,13 @@ class TFBackend:
     def allreduce_sum_async(self, tensor: tf.Tensor, name: str, process_set: Any) -> Any:
         return hvd.allreduce(tensor, op=hvd.Sum, name=name, process_set=process_set)
 
+    def allreduce_sum_inplace_async(self, tensor: tf.Tensor, name: str, process_set: Any) -> Any:
+        # TF tensors are immutable: the result is a new tensor either way.
+        return self.allreduce_sum_async(tensor, name, process_set)
+
+    def zero_(self, buffer: tf.Tensor) -> tf.Tensor:
+        return tf.zeros_like(buffer)
+
     def from_host(self, values: list[float], like: tf.Tensor) -> tf.Tensor:
         return tf.constant(values, dtype=tf.float64)
 

@@ -259,6 +259,15 @@ class TorchBackend:
         handle = hvd.allreduce_async(tensor, name=name, op=hvd.Sum, process_set=process_set)
         return _Pending(handle, "plain")
 
+    def allreduce_sum_inplace_async(
+        self, tensor: torch.Tensor, name: str, process_set: Any
+    ) -> _Pending:
+        handle = hvd.allreduce_async_(tensor, name=name, op=hvd.Sum, process_set=process_set)
+        return _Pending(handle, "plain")
+
+    def zero_(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer.zero_()
+
     def from_host(self, values: list[float], like: torch.Tensor) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float64, device=like.device)
 

@@ -1,0 +1,135 @@
+"""Overlap and the automatic dense/sparse choice, side by side, on emulated links.
+
+    sudo -E .venv/bin/python benchmarks/cluster/schedule.py [--ranks 4] [--links loopback,1g,10g]
+
+For each link (``loopback``: plain ``horovodrun`` on this machine, no shaping; ``1g`` /
+``10g``: the emulated cluster of ``cluster.py``, one namespace and NIC per rank), runs the
+synthetic benchmark (25.1M-parameter wide MLP, 20 MiB buckets) in five configurations:
+dense Horovod, sparse at the fixed density, sparse with ``overlap_allgather``,
+``scheduler="auto"``, and auto with overlap. Reports the median step time of each and
+two ratios per link: overlap / no overlap (sparse), and auto / the better of dense and
+sparse. Writes results/schedule.json and results/schedule.md. The shaped links need root;
+without it only ``loopback`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+from cluster import PRESETS, Cluster, LinkSpec  # noqa: E402
+
+CONFIGS = {
+    "dense": ["--density", "1.0"],
+    "sparse": [],
+    "sparse+overlap": ["--overlap"],
+    "auto": ["--scheduler", "auto"],
+    "auto+overlap": ["--scheduler", "auto", "--overlap"],
+}
+
+
+def command(args: argparse.Namespace, config: str, result: Path) -> list[str]:
+    extra = list(CONFIGS[config])
+    if "--density" not in extra:
+        extra += ["--density", str(args.density), "--fusion-mb", str(args.fusion_mb)]
+    if config == "sparse+overlap":
+        extra += ["--trace", str(result.with_suffix("")) + ".trace.{rank}.json"]
+    return [
+        sys.executable,
+        str(ROOT / "examples" / "pytorch" / "pytorch_synthetic_benchmark.py"),
+        "--model",
+        "wide_mlp",
+        "--batch-size",
+        str(args.batch_size),
+        "--num-warmup-batches",
+        "8",  # the automatic scheduler decides at step 5
+        "--num-iters",
+        str(args.iters),
+        "--json",
+        str(result),
+        *extra,
+    ]
+
+
+def run_loopback(args: argparse.Namespace, cmd: list[str], env: dict[str, str]) -> None:
+    launch = ["horovodrun", "-np", str(args.ranks), "-H", f"localhost:{args.ranks}", "--gloo"]
+    done = subprocess.run(
+        launch + cmd,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+    )
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
+        raise SystemExit(f"loopback run failed: {done.returncode}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--links", default="loopback,1g,10g")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--fusion-mb", type=float, default=20.0)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations of 3 steps")
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--out", default=str(ROOT / "results" / "schedule"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    links = args.links.split(",")
+    if os.geteuid() != 0 and links != ["loopback"]:
+        print("not root: the shaped links need network namespaces; running loopback only")
+        links = ["loopback"]
+    report = {}
+    for link in links:
+        runs = {}
+        for config in args.configs.split(","):
+            result = out.with_name(f"{out.name}.{link}.{config}.json")
+            cmd = command(args, config, result)
+            if link == "loopback":
+                run_loopback(args, cmd, env)
+            else:
+                with Cluster(args.ranks, LinkSpec(PRESETS[link].rate)) as cluster:
+                    if cluster.run(cmd, args.timeout, env) != 0:
+                        raise SystemExit(f"{config} failed on {link}")
+            runs[config] = json.loads(result.read_text())
+            print(f"{link:8s} {config:15s} {runs[config]['median_step_s']:.3f} s/step", flush=True)
+        report[link] = runs
+        out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    lines = [
+        "| link | dense | sparse | sparse+overlap | auto | auto+overlap | overlap/no overlap "
+        "| auto / best fixed | reduce-scatter hidden |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for link, runs in report.items():
+        step = {config: run["median_step_s"] for config, run in runs.items()}
+        best = min(step.get("dense", float("inf")), step.get("sparse", float("inf")))
+        hidden = runs.get("sparse+overlap", {}).get("trace", {}).get("hidden_fraction")
+        cells = [f"{step[c]:.3f}" if c in step else "-" for c in CONFIGS]
+        overlap = step.get("sparse+overlap", float("nan")) / step.get("sparse", float("nan"))
+        auto = step.get("auto", float("nan")) / best
+        lines.append(
+            f"| {link} | "
+            + " | ".join(cells)
+            + f" | {overlap:.3f} | {auto:.3f} | "
+            + (f"{100 * hidden:.0f}%" if hidden is not None else "-")
+            + " |"
+        )
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
