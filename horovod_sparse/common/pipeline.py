@@ -157,6 +157,7 @@ class BucketReducer:
             "dense": 0,
             "extra_bytes": partition_bytes,
             "select": selected - began,
+            "select_local": selected - began,
             "exchange": ops.clock() - selected,
             "send_splits": sent.send_splits,
             "row_bytes": row_bytes(ops.itemsize(wire)),
@@ -218,7 +219,9 @@ class BucketReducer:
         )
         # Step 6b: global selection by the exact global k-th magnitude.
         keys = ops.magnitude_keys(sums)
+        reduced = ops.clock(keys)
         threshold = global_threshold_key(ops, keys, self.k, self.name, self.process_set)
+        thresholded = ops.clock()
         kept_mask = ops.mask_at_least(keys, threshold)
         (kept_idx, kept_val), (drop_idx, drop_val) = ops.split_by_mask(
             kept_mask, region_indices, sums
@@ -233,6 +236,8 @@ class BucketReducer:
             self.residual = ops.add_at(self.residual, bucket_idx, lost)
         handle = spar_all_gather_start(ops, bucket_idx, wire, self.name, self.process_set)
         acc["select"] = acc["select"] + (selected - received)
+        # Local work only (no collective waits), for an automatic scheduler's cost model.
+        acc["local"] = acc["select_local"] + (reduced - received) + (selected - thresholded)
         acc["exchange"] = acc["exchange"] + (received - began) + (ops.clock() - selected)
         acc["gather_row_bytes"] = row_bytes(ops.itemsize(wire))
         return GatherInFlight(handle, ops.num_rows(bucket_idx), wire, ctx)

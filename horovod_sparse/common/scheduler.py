@@ -1,7 +1,7 @@
 """Automatic dense or sparse exchange per bucket, from an alpha-beta model of the link.
 
-A sparse step of a bucket of n elements with budget k costs local work (error feedback,
-selection, owner reduction, global selection: measured, per element) plus its
+A sparse step of a bucket of n elements with budget k costs local work (selection,
+owner reduction, global selection without its collectives: measured, per element) plus its
 collectives; a dense step costs one ring allreduce of n values. With a link of
 per-message latency alpha and per-byte time beta (fitted from timed allreduces on the
 process set itself) and P ranks:
@@ -30,7 +30,9 @@ from horovod_sparse.common.global_selection import HISTOGRAM_BINS, RADIX_SHIFTS
 __all__ = ["AutoScheduler", "LinkModel", "dense_seconds", "fit_link", "sparse_seconds"]
 
 # Probe sizes in float32 elements: the smallest isolates alpha, the larger ones beta.
-PROBE_NUMELS = (1, 1 << 18, 1 << 21)
+# The largest (32 MiB) outlasts a shaper's burst allowance (tc tbf lets the first
+# burst of bytes through at line rate, which would make a small probe look fast).
+PROBE_NUMELS = (1, 1 << 20, 1 << 23)
 PROBE_REPEATS = 3
 
 
@@ -165,7 +167,7 @@ class AutoScheduler:
     def decide(self, like: Tensor) -> list[bool]:
         """Probe the link, share the measured local work, and choose; returns dense flags.
 
-        Sends: ``len(PROBE_NUMELS) * PROBE_REPEATS`` allreduces (up to 8 MiB), one
+        Sends: ``len(PROBE_NUMELS) * PROBE_REPEATS`` allreduces (up to 32 MiB), one
         allreduce of 2 values per bucket, one broadcast of one value per bucket.
         """
         ops = self.ops

@@ -502,7 +502,7 @@ class SparseOptimizerMixin:
             for choice, slot in zip(self._scheduler.choices, self._sparse_slots()):
                 _, accounting = slot.reducer.step_record()
                 if not accounting["dense"]:
-                    choice.observe(float(accounting["select"]))
+                    choice.observe(float(accounting["local"]))
 
     def _reschedule(self) -> None:
         """Every ``scheduler_steps`` steps: dense or sparse per bucket (same on every rank)."""

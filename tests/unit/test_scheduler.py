@@ -22,7 +22,7 @@ def ring_time(link: LinkModel, numel: int, world: int) -> float:
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_fit_recovers_alpha_and_beta(world):
     true = LinkModel(alpha=3e-3, beta=8e-9)  # about 1 Gbit/s with 3 ms per message
-    samples = [(n, ring_time(true, n, world)) for n in (1, 1 << 18, 1 << 21)]
+    samples = [(n, ring_time(true, n, world)) for n in (1, 1 << 20, 1 << 23)]
     fitted = fit_link(samples, world)
     assert fitted.alpha == pytest.approx(true.alpha, rel=1e-6)
     assert fitted.beta == pytest.approx(true.beta, rel=1e-6)
