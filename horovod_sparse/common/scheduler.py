@@ -11,9 +11,13 @@ process set itself) and P ranks:
   four histogram allreduces ``4 (2(P-1) alpha + 2 (P-1)/P * 1 KiB * beta)`` and the
   all-gather ``(P-1) alpha + k r beta`` (r: bytes per (index, value) row).
 
-A bucket goes dense when the dense prediction is lower. Decisions are taken every
-``every`` steps, from the mean over ranks of each bucket's measured local work and from a
-fresh probe of the link; rank 0's decision is broadcast, so every rank exchanges each
+Each decision compares a bucket's cost both ways: the host seconds its steps actually
+spent in the exchange when it last ran that way (measured, mean over ranks), else the
+model's prediction. Measured times win because they include what the model leaves out
+(contention for cores, waits behind other buckets). A bucket starts sparse, so its first
+decision weighs its measured sparse steps against the model's dense allreduce; once it
+has run both ways, measurements decide. Decisions are taken every ``every`` steps, with
+a fresh probe of the link; rank 0's decision is broadcast, so every rank exchanges each
 bucket the same way. Both sides only need numbers: the probes and the broadcast run
 through the framework backend.
 """
@@ -21,7 +25,7 @@ through the framework backend.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from horovod_sparse.common.backend import Backend, Tensor
@@ -101,29 +105,65 @@ def sparse_seconds(
 
 
 @dataclass
+class _Window:
+    """Sums of one measured quantity since the last decision."""
+
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, value: float) -> None:
+        self.total += value
+        self.count += 1
+
+    def take(self) -> tuple[float, int]:
+        out = (self.total, self.count)
+        self.total, self.count = 0.0, 0
+        return out
+
+
+@dataclass
 class BucketChoice:
-    """The scheduler's view of one bucket: its last prediction and decision."""
+    """The scheduler's view of one bucket: what it measured, predicted and chose.
+
+    ``measured_*``: mean over ranks of the host seconds a step of this bucket spent in
+    its exchange (selection, collectives launched and waited for), from the latest
+    window in which the bucket ran that way; NaN until then.
+    """
 
     numel: int
     itemsize: int
     dense: bool = False
-    local_per_element: float = math.nan  # measured; NaN until a sparse step is seen
+    local_per_element: float = math.nan  # sparse local work; NaN until measured
     predicted_dense: float = math.nan
     predicted_sparse: float = math.nan
-    _local_sum: float = 0.0
-    _local_count: int = 0
+    measured_dense: float = math.nan
+    measured_sparse: float = math.nan
+    _local: _Window = field(default_factory=_Window)
+    _dense: _Window = field(default_factory=_Window)
+    _sparse: _Window = field(default_factory=_Window)
 
-    def observe(self, local_seconds: float) -> None:
-        self._local_sum += local_seconds
-        self._local_count += 1
+    def observe(self, dense: bool, seconds: float, local_seconds: float = 0.0) -> None:
+        """One step of this bucket: its exchange seconds, and for a sparse step the
+        local work (no collective waits) in it."""
+        if dense:
+            self._dense.add(seconds)
+        else:
+            self._sparse.add(seconds)
+            self._local.add(local_seconds / self.numel)
 
-    def take_mean(self) -> float:
-        """Mean local seconds per element since the last decision (NaN if none)."""
-        if not self._local_count:
-            return math.nan
-        mean = self._local_sum / self._local_count / self.numel
-        self._local_sum, self._local_count = 0.0, 0
-        return mean
+    def take_windows(self) -> list[float]:
+        """(sum, count) of local work, dense and sparse seconds; windows restart."""
+        return [x for window in (self._local, self._dense, self._sparse) for x in window.take()]
+
+    @property
+    def cost_dense(self) -> float:
+        return self.measured_dense if not math.isnan(self.measured_dense) else self.predicted_dense
+
+    @property
+    def cost_sparse(self) -> float:
+        if not math.isnan(self.measured_sparse):
+            return self.measured_sparse
+        return self.predicted_sparse
 
 
 class AutoScheduler:
@@ -185,33 +225,35 @@ class AutoScheduler:
                 )
                 best = min(best, ops.clock() - began)
             samples.append((numel, best))
-        # Mean local work per element over ranks (measured on the buckets' sparse steps).
-        local = [choice.take_mean() for choice in self.choices]
-        pairs = []
-        for value in local:
-            pairs += [0.0, 0.0] if math.isnan(value) else [value, 1.0]
+        # Means over ranks of what each bucket measured since the last decision.
+        windows = [x for choice in self.choices for x in choice.take_windows()]
         summed = ops.to_host_list(
             ops.wait(
                 ops.allreduce_sum_async(
-                    ops.from_host(pairs, like), f"{self.name}.local", self.process_set
+                    ops.from_host(windows, like), f"{self.name}.measured", self.process_set
                 )
             )
         )
         link = fit_link(samples, world)
         dense = []
         for index, choice in enumerate(self.choices):
-            total, count = summed[2 * index], summed[2 * index + 1]
-            if count > 0:
-                choice.local_per_element = total / count
-            if math.isnan(choice.local_per_element):
-                dense.append(choice.dense)  # no measurement yet: keep the current mode
-                continue
-            k = max(1, math.ceil(self.density * choice.numel))
+            local, n_local, dense_s, n_dense, sparse_s, n_sparse = summed[6 * index : 6 * index + 6]
+            if n_local:
+                choice.local_per_element = local / n_local
+            if n_dense:
+                choice.measured_dense = dense_s / n_dense
+            if n_sparse:
+                choice.measured_sparse = sparse_s / n_sparse
             choice.predicted_dense = dense_seconds(link, choice.numel, choice.itemsize, world)
-            choice.predicted_sparse = sparse_seconds(
-                link, choice.numel, k, world, choice.local_per_element
-            )
-            dense.append(choice.predicted_dense < choice.predicted_sparse)
+            if not math.isnan(choice.local_per_element):
+                k = max(1, math.ceil(self.density * choice.numel))
+                choice.predicted_sparse = sparse_seconds(
+                    link, choice.numel, k, world, choice.local_per_element
+                )
+            if math.isnan(choice.cost_sparse) or math.isnan(choice.cost_dense):
+                dense.append(choice.dense)  # nothing to compare yet: keep the current mode
+            else:
+                dense.append(choice.cost_dense < choice.cost_sparse)
         # Rank 0's choice for everyone: float rounding can never split the ranks.
         flags = ops.to_host_list(
             ops.broadcast(

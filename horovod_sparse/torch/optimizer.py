@@ -470,7 +470,11 @@ class SparseOptimizerMixin:
             self._poll_trace()
             trace.backward_ended(ended)
         launched = []
-        for slot in self._buckets:
+        # Collectives run in launch order. With the all-gathers deferred to the next
+        # forward, launch them in forward order (buckets are planned in backward
+        # order), so the first layers' results arrive first.
+        order = reversed(self._buckets) if self._deferred is not None else self._buckets
+        for slot in order:
             began = time.perf_counter()
             was_scatter = isinstance(slot.stage, ScatterInFlight)
             stage = slot.reducer.reduce_and_gather(slot.stage)
@@ -498,11 +502,14 @@ class SparseOptimizerMixin:
         # Keep the raw figures; stats() reads them, so a step adds no device-to-host sync.
         self._step_records = [(slot.reducer, *slot.reducer.step_record()) for slot in self._buckets]
         if self._scheduler is not None:
-            # Host seconds of a sparse step's local work, for the next decision.
+            # Host seconds of this step's exchange per bucket, for the next decision.
             for choice, slot in zip(self._scheduler.choices, self._sparse_slots()):
                 _, accounting = slot.reducer.step_record()
-                if not accounting["dense"]:
-                    choice.observe(float(accounting["local"]))
+                seconds = float(accounting["select"]) + float(accounting["exchange"])
+                if accounting["dense"]:
+                    choice.observe(True, seconds)
+                else:
+                    choice.observe(False, seconds, float(accounting["local"]))
 
     def _reschedule(self) -> None:
         """Every ``scheduler_steps`` steps: dense or sparse per bucket (same on every rank)."""
@@ -521,7 +528,9 @@ class SparseOptimizerMixin:
         """Per sparse bucket: the exchange the scheduler chose and its predictions.
 
         ``{"mode": "dense" | "sparse", "predicted_dense_s", "predicted_sparse_s",
-        "local_s_per_element"}``; the mode is "sparse" and the figures NaN before the
+        "local_s_per_element", "measured_dense_s", "measured_sparse_s"}`` (seconds per
+        step; see :mod:`horovod_sparse.common.scheduler`); the mode is "sparse" and the
+        figures NaN before the
         first decision, or with ``scheduler="fixed"``.
         """
         out = {}
@@ -533,6 +542,8 @@ class SparseOptimizerMixin:
                 "predicted_dense_s": choice.predicted_dense if choice else float("nan"),
                 "predicted_sparse_s": choice.predicted_sparse if choice else float("nan"),
                 "local_s_per_element": choice.local_per_element if choice else float("nan"),
+                "measured_dense_s": choice.measured_dense if choice else float("nan"),
+                "measured_sparse_s": choice.measured_sparse if choice else float("nan"),
             }
         return out
 

@@ -103,8 +103,10 @@ def test_decide_measures_the_link_and_chooses_per_bucket(link, expected):
     scheduler = AutoScheduler(ops, "s", None, buckets, density=0.01, every=10, first=5)
     assert [scheduler.due(s) for s in (0, 4, 5, 6, 15, 25)] == [0, 0, 1, 0, 1, 1]
     for choice in scheduler.choices:
-        for _ in range(3):
-            choice.observe(2.5e-9 * choice.numel)
+        k = math.ceil(0.01 * choice.numel)
+        for _ in range(3):  # sparse steps that took what the model predicts
+            seconds = sparse_seconds(link, choice.numel, k, 4, 2.5e-9)
+            choice.observe(False, seconds, 2.5e-9 * choice.numel)
     flags = scheduler.decide(like=None)
     assert flags == expected
     assert ops.broadcasts == 1
@@ -120,9 +122,23 @@ def test_a_bucket_never_measured_keeps_its_mode():
     ops = FakeOps(LinkModel(5e-5, 2e-10), 2)
     scheduler = AutoScheduler(ops, "s", None, [(10_000, 4)], density=0.01)
     assert scheduler.decide(like=None) == [False]
-    assert math.isnan(scheduler.choices[0].predicted_dense)
+    assert math.isnan(scheduler.choices[0].cost_sparse)
 
 
 def test_bad_interval_is_refused():
     with pytest.raises(ValueError, match="scheduler_steps"):
         AutoScheduler(FakeOps(LinkModel(0, 0), 2), "s", None, [(10, 4)], 0.1, every=0)
+
+
+def test_measured_times_overrule_the_model():
+    link = LinkModel(3e-3, 8e-9)  # the model says sparse for a 25M bucket
+    ops = FakeOps(link, 4)
+    scheduler = AutoScheduler(ops, "s", None, [(25_000_000, 4)], density=0.01)
+    choice = scheduler.choices[0]
+    choice.observe(False, 5.0, 2.5e-9 * choice.numel)  # but sparse steps took 5 s
+    assert scheduler.decide(like=None) == [True]
+    assert choice.measured_sparse == pytest.approx(5.0)
+    assert choice.predicted_sparse < choice.predicted_dense < choice.measured_sparse
+    choice.observe(True, 9.0)  # and dense steps then measured slower still
+    assert scheduler.decide(like=None) == [False]
+    assert choice.measured_dense == pytest.approx(9.0)
