@@ -46,6 +46,9 @@ def _torch_backend():
         def allreduce_sum_async(self, tensor, name, process_set):
             return tensor
 
+        def allreduce_sum_inplace_async(self, tensor, name, process_set):
+            return tensor
+
         def wait(self, handle):
             return handle
 
