@@ -503,8 +503,11 @@ class SparseOptimizerMixin:
         self._step_records = [(slot.reducer, *slot.reducer.step_record()) for slot in self._buckets]
         if self._scheduler is not None:
             # Host seconds of this step's exchange per bucket, for the next decision.
-            for choice, slot in zip(self._scheduler.choices, self._sparse_slots()):
-                _, accounting = slot.reducer.step_record()
+            # The step's records, already taken above: one per bucket, sparse ones in order.
+            sparse = [
+                acc for reducer, _, acc in self._step_records if isinstance(reducer, BucketReducer)
+            ]
+            for choice, accounting in zip(self._scheduler.choices, sparse):
                 seconds = float(accounting["select"]) + float(accounting["exchange"])
                 if accounting["dense"]:
                     choice.observe(True, seconds)
@@ -529,9 +532,8 @@ class SparseOptimizerMixin:
 
         ``{"mode": "dense" | "sparse", "predicted_dense_s", "predicted_sparse_s",
         "local_s_per_element", "measured_dense_s", "measured_sparse_s"}`` (seconds per
-        step; see :mod:`horovod_sparse.common.scheduler`); the mode is "sparse" and the
-        figures NaN before the
-        first decision, or with ``scheduler="fixed"``.
+        step; see :mod:`horovod_sparse.common.scheduler`). Before the first decision, or
+        with ``scheduler="fixed"``, the mode is "sparse" and the figures are NaN.
         """
         out = {}
         choices = self._scheduler.choices if self._scheduler is not None else []
