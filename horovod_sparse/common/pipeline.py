@@ -100,8 +100,14 @@ class BucketReducer:
         self.velocity: Tensor | None = None
         # Set by an automatic scheduler: exchange this bucket densely while True.
         self.force_dense = False
+        # Host-side knowledge that the residual holds only zeros (true at the start and
+        # after a dense step without lossy compression). A dense step then needs nothing
+        # from it, and the adapter can reduce the bucket buffer itself: see
+        # :attr:`dense_in_buffer`.
+        self.residual_clear = True
         self.k = config.budget(numel)  # budget of the current step
         self._dense_lost: Tensor | None = None  # compression rounding of a dense step
+        self._dense_from_residual = False  # whether a dense step reduces the residual
         self._accounting: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- stage 1
@@ -111,7 +117,24 @@ class BucketReducer:
         Lets an adapter add each gradient as backward produces it, so :meth:`start`
         (with ``grad=None``) needs no separate flat copy of the bucket.
         """
+        self.residual_clear = False
         self.residual = self.ops.add_scaled_at_(self.residual, offset, grad, prescale)
+
+    @property
+    def dense_in_buffer(self) -> bool:
+        """Whether the next step is dense (warm-up, density 1, or a scheduler's choice)
+        while the residual owes nothing.
+
+        Such a step is a plain allreduce of the gradients, exactly as a dense bucket's:
+        the adapter copies each gradient into the bucket buffer instead of adding it to
+        the residual, and calls :meth:`start_in_buffer`. That saves three passes over
+        the bucket per step (add into the residual, copy out of it, clear it).
+        """
+        if not self.residual_clear:
+            return False
+        return self.force_dense or budget(self.numel, self.config.density_at(self.step)) >= (
+            self.numel
+        )
 
     def start(self, grad: Tensor | None, prescale: float = 1.0) -> ScatterInFlight:
         """Error feedback, local selection, and the reduce-scatter launch.
@@ -129,6 +152,7 @@ class BucketReducer:
         # (already done tensor by tensor through accumulate() when grad is None).
         if grad is not None:
             self.residual = ops.add_scaled_(self.residual, grad, prescale)
+        self.residual_clear = False
         accumulator = self.residual
         if self.k >= self.numel or self.force_dense:
             return self._start_dense(accumulator, began)
@@ -164,15 +188,34 @@ class BucketReducer:
         }
         return ScatterInFlight(sent, wire, ctx)
 
-    def _start_dense(self, accumulator: Tensor, began: Any) -> GatherInFlight:
-        """A dense step (warm-up, or density 1): allreduce the whole accumulator.
+    def start_in_buffer(self, buffer: Tensor, prescale: float = 1.0) -> GatherInFlight:
+        """A dense step while :attr:`dense_in_buffer`: allreduce ``buffer``, which holds
+        this step's gradients (the adapter copied them there), in place.
+
+        Sends: one ring allreduce of n values. Keeps: only the rounding of lossy value
+        compression. The residual (all zeros) is neither read nor written.
+        """
+        began = self.ops.clock()
+        self.k = self.numel
+        self.step += 1
+        if prescale != 1.0:
+            buffer = self.ops.scale(buffer, prescale)
+        return self._start_dense(buffer, began, from_residual=False)
+
+    def _start_dense(
+        self, accumulator: Tensor, began: Any, from_residual: bool = True
+    ) -> GatherInFlight:
+        """A dense step (warm-up, density 1, a scheduler's choice): allreduce the whole
+        accumulator (the residual, or the bucket buffer of :meth:`start_in_buffer`).
 
         Sends: one ring allreduce of n values. Keeps: only the rounding of lossy value
         compression; the residual is folded into this step, so the switch to sparse
         starts from it alone. Without compression the allreduce runs in place on the
-        residual buffer, which :meth:`finish` clears: no n-element allocation per step.
+        accumulator, which :meth:`finish` clears if it is the residual: no n-element
+        allocation per step.
         """
         ops = self.ops
+        self._dense_from_residual = from_residual
         wire, ctx, lost = ops.compress(accumulator, self.compression)
         name = f"{self.name}.warm"
         if wire is accumulator:
@@ -260,12 +303,17 @@ class BucketReducer:
             acc["gather_total"] = acc["gather_own"] = acc["gather_next"] = self.numel
             if postscale != 1.0:
                 summed = ops.scale(summed, postscale)
-            # ``summed`` may be the residual buffer itself (in-place allreduce): copy it
-            # out before the residual is cleared.
-            result = ops.assign(out, summed) if out is not None else ops.copy(summed)
-            self.residual = ops.zero_(self.residual)
+            if out is not None and summed is out:
+                result = summed  # reduced in place in the caller's buffer
+            else:
+                # ``summed`` may be the residual buffer itself (in-place allreduce): copy
+                # it out before the residual is cleared.
+                result = ops.assign(out, summed) if out is not None else ops.copy(summed)
+            if self._dense_from_residual:
+                self.residual = ops.zero_(self.residual)
             if self._dense_lost is not None:
                 self.residual = ops.add_scaled_(self.residual, self._dense_lost, 1.0)
+            self.residual_clear = self._dense_lost is None
             return result
         indices, wire_values = ops.unpack_rows(rows, inflight.wire_like)
         values = ops.decompress(wire_values, inflight.compression_ctx)
@@ -364,6 +412,7 @@ class BucketReducer:
         """
         self.step = int(state["step"])
         self.selection.load_state_dict(state["selection"])
+        self.residual_clear = False  # a restored residual may owe mass
         if int(state["world_size"]) == self.world_size:
             self.boundaries = [int(b) for b in state["boundaries"]]
         if residual:

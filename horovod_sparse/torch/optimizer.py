@@ -411,17 +411,21 @@ class SparseOptimizerMixin:
         if self._correction is not None:
             grad = self._correction.update(p, grad)
         slot, offset = self._slot_of[p]
-        sparse = isinstance(slot.reducer, BucketReducer)
-        if sparse:
+        # A dense bucket, or a sparse one whose step is dense and owes nothing, reduces
+        # the bucket buffer; a sparse step reduces the residual.
+        in_buffer = not isinstance(slot.reducer, BucketReducer) or slot.reducer.dense_in_buffer
+        if in_buffer:
+            slot.flat[offset : offset + p.numel()].copy_(grad.reshape(-1))
+        else:
             # Error feedback straight from p.grad into the residual: no bucket copy.
             slot.reducer.accumulate(grad, offset, self._prescale)
-        else:
-            slot.flat[offset : offset + p.numel()].copy_(grad.reshape(-1))
         slot.waiting -= 1
         if slot.waiting == 0:
             # Last gradient of the bucket: start its reduce-scatter now, during backward.
-            if sparse:
+            if not in_buffer:
                 slot.stage = slot.reducer.start(None)
+            elif isinstance(slot.reducer, BucketReducer):
+                slot.stage = slot.reducer.start_in_buffer(slot.flat, self._prescale)
             else:
                 slot.stage = slot.reducer.start(slot.flat, self._prescale)
             if self._trace is not None:
@@ -517,9 +521,10 @@ class SparseOptimizerMixin:
     def _reschedule(self) -> None:
         """Every ``scheduler_steps`` steps: dense or sparse per bucket (same on every rank)."""
         slots = self._sparse_slots()
-        if not self._scheduler.due(slots[0].reducer.step):
+        step = slots[0].reducer.step
+        if not self._scheduler.due(step):
             return
-        self._scheduler.decide(slots[0].flat)
+        self._scheduler.decide(slots[0].flat, step)
         self._apply_schedule()
 
     def _apply_schedule(self) -> None:

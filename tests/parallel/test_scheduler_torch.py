@@ -76,14 +76,21 @@ def test_auto_chooses_from_the_link_and_every_rank_agrees(monkeypatch, link, den
         assert math.isfinite(entry["predicted_sparse_s"])
         assert entry["local_s_per_element"] > 0
         assert entry["measured_sparse_s"] > 0  # the sparse steps before the first decision
+        # A free link lets dense be tried (and measured) before the choice; a link that
+        # makes dense hopeless rules the trial out.
+        if dense_expected:
+            assert entry["measured_dense_s"] > 0
+        else:
+            assert math.isnan(entry["measured_dense_s"])
     assert agree(modes) and agree(sorted((k, v["mode"]) for k, v in schedule.items()))
     assert spread(model) == 0.0
 
 
 def test_auto_with_the_measured_link_keeps_ranks_identical():
     model, opt = model_and_optimizer()
-    modes = train(model, opt, 14)
-    assert opt._scheduler.decisions == 3  # steps 5, 9, 13
+    modes = train(model, opt, 15)
+    # Steps 5, 9, 13; or 5, 10, 14 when the first decision starts a 5-step trial.
+    assert opt._scheduler.decisions == 3
     assert agree(modes) and agree([v["mode"] for v in opt.schedule().values()])
     assert all(dense + sparse == 3 for dense, sparse in modes)
     assert spread(model) == 0.0
@@ -99,11 +106,55 @@ def test_switching_to_dense_folds_the_residual_in():
     assert any(r.abs().sum() > 0 for r in opt.residuals().values())
     for slot in opt._sparse_slots():
         slot.reducer.force_dense = True  # what a dense decision sets
-    opt._scheduler.every = 10**9  # and no decision to undo it
-    opt._scheduler.first = 10**9
+    opt._scheduler.next_decision = 10**9  # and no decision to undo it
     train(model, opt, 1)
     assert all(r.abs().sum() == 0 for r in opt.residuals().values())
     assert opt.stats().dense_buckets == 3
+
+
+def test_dense_steps_after_the_switch_reduce_the_bucket_buffer_like_horovod():
+    """Once the switch has folded the residual in, a dense bucket's step is Horovod's
+    allreduce of the gradients, reduced in the bucket buffer; the residual stays zero.
+    Switching back to sparse then conserves mass from a clear residual."""
+    model, opt = model_and_optimizer()
+    train(model, opt, 5)
+    for slot in opt._sparse_slots():
+        slot.reducer.force_dense = True
+    opt._scheduler.next_decision = 10**9
+    train(model, opt, 1)  # the switch: residual + gradient, then a clear residual
+    slots = opt._sparse_slots()
+    assert all(slot.reducer.residual_clear and slot.reducer.dense_in_buffer for slot in slots)
+    for step in range(3):
+        g = torch.Generator().manual_seed(1000 + step * 7 + hvd.rank())
+        opt.zero_grad()
+        model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+        local = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.synchronize()
+        for n, p in model.named_parameters():
+            dense = hvd.allreduce(local[n], name=f"buffer.{n}.{step}")
+            torch.testing.assert_close(p.grad, dense, rtol=1e-6, atol=1e-7)
+        with opt.skip_synchronize():
+            opt.step()
+        assert all(r.abs().sum() == 0 for r in opt.residuals().values())
+        assert opt.stats().dense_buckets == 3
+    # Back to sparse: residual_after + P * result == residual_before + gradient, summed.
+    for slot in slots:
+        slot.reducer.force_dense = False
+    g = torch.Generator().manual_seed(2000 + hvd.rank())
+    opt.zero_grad()
+    model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+    grads = {
+        slot.bucket.name: torch.cat([p.grad.reshape(-1) for p in slot.params]) for slot in slots
+    }
+    opt.synchronize()
+    for slot in slots:
+        assert not slot.reducer.residual_clear
+        result = torch.cat([p.grad.reshape(-1) for p in slot.params])
+        owed = hvd.allreduce(slot.reducer.residual, op=hvd.Sum, name=f"owed.{slot.bucket.name}")
+        sent = hvd.allreduce(grads[slot.bucket.name], op=hvd.Sum, name=f"g.{slot.bucket.name}")
+        torch.testing.assert_close(owed + hvd.size() * result, sent, rtol=1e-5, atol=1e-6)
+    assert opt.stats().sparse_buckets == 2
+    assert spread(model) == 0.0
 
 
 def test_bad_scheduler_is_refused_on_every_rank():

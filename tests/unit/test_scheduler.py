@@ -5,6 +5,7 @@ import math
 import pytest
 
 from horovod_sparse.common.scheduler import (
+    TRIAL_FACTOR,
     AutoScheduler,
     LinkModel,
     dense_seconds,
@@ -98,20 +99,39 @@ class FakeOps:
     ids=["1gbit", "loopback"],
 )
 def test_decide_measures_the_link_and_chooses_per_bucket(link, expected):
+    """Steps that take what the model predicts: after a trial of dense where the model
+    does not rule it out, measurements choose what the model would."""
     ops = FakeOps(link, 4)
     buckets = [(4096, 4), (25_000_000, 4)]
     scheduler = AutoScheduler(ops, "s", None, buckets, density=0.01, every=10, first=5)
-    assert [scheduler.due(s) for s in (0, 4, 5, 6, 15, 25)] == [0, 0, 1, 0, 1, 1]
-    for choice in scheduler.choices:
-        k = math.ceil(0.01 * choice.numel)
-        for _ in range(3):  # sparse steps that took what the model predicts
-            seconds = sparse_seconds(link, choice.numel, k, 4, 2.5e-9)
-            choice.observe(False, seconds, 2.5e-9 * choice.numel)
-    flags = scheduler.decide(like=None)
-    assert flags == expected
-    assert ops.broadcasts == 1
-    assert scheduler.link.alpha == pytest.approx(link.alpha, rel=1e-6)
+    assert [scheduler.due(s) for s in (0, 4, 5)] == [False, False, True]
+
+    def observe(dense: bool) -> None:
+        for choice in scheduler.choices:
+            k = math.ceil(0.01 * choice.numel)
+            for _ in range(3):
+                if dense:
+                    choice.observe(True, dense_seconds(link, choice.numel, 4, 4))
+                else:
+                    seconds = sparse_seconds(link, choice.numel, k, 4, 2.5e-9)
+                    choice.observe(False, seconds, 2.5e-9 * choice.numel)
+
+    observe(dense=False)
+    first = scheduler.decide(like=None, step=5)
     big = scheduler.choices[1]
+    # Dense is tried wherever the model does not put it beyond TRIAL_FACTOR x sparse.
+    trials = [c.predicted_dense <= TRIAL_FACTOR * c.measured_sparse for c in scheduler.choices]
+    assert first == trials
+    assert ops.broadcasts == 1
+    if any(trials):  # the next decision ends the trial window of `first` steps
+        assert [scheduler.due(s) for s in (9, 10)] == [False, True]
+        observe(dense=True)
+        assert scheduler.decide(like=None, step=10) == expected
+        assert scheduler.next_decision == 20
+    else:
+        assert first == expected
+        assert [scheduler.due(s) for s in (14, 15)] == [False, True]
+    assert scheduler.link.alpha == pytest.approx(link.alpha, rel=1e-6)
     assert big.local_per_element == pytest.approx(2.5e-9)
     assert big.predicted_sparse == pytest.approx(
         sparse_seconds(scheduler.link, big.numel, 250_000, 4, 2.5e-9)
@@ -128,6 +148,16 @@ def test_a_bucket_never_measured_keeps_its_mode():
 def test_bad_interval_is_refused():
     with pytest.raises(ValueError, match="scheduler_steps"):
         AutoScheduler(FakeOps(LinkModel(0, 0), 2), "s", None, [(10, 4)], 0.1, every=0)
+
+
+def test_a_mode_the_model_rules_out_is_not_tried():
+    link = LinkModel(3e-3, 8e-9)  # 1 Gbit/s: dense 25M floats ~ 1.2 s at P = 4
+    scheduler = AutoScheduler(FakeOps(link, 4), "s", None, [(25_000_000, 4)], density=0.01)
+    choice = scheduler.choices[0]
+    choice.observe(False, 0.2, 0.1)  # sparse measured at 0.2 s: dense is > 2.5x that
+    assert scheduler.decide(like=None, step=5) == [False]
+    assert math.isnan(choice.measured_dense)
+    assert scheduler.next_decision == 5 + scheduler.every
 
 
 def test_measured_times_overrule_the_model():
