@@ -94,21 +94,32 @@ class BucketReducer:
         self.partitioner = make_partitioner(config.partition, config.repartition_steps)
         self.boundaries = self.partitioner.boundaries(numel, self.world_size)
         self.residual = ops.zeros(numel, like)
+        # Host-side knowledge that the residual holds only zeros (true at the start and
+        # after a dense step without lossy compression). A dense step then needs nothing
+        # from it, and the adapter can reduce the bucket buffer itself: see
+        # :attr:`dense_in_buffer`. Assigning ``residual`` clears it.
+        self.residual_clear = True
         self.step = 0  # steps started; drives the density schedule and the re-estimates
         # An adapter's momentum-correction velocity over the bucket, or None: entries this
         # rank selects are zeroed in it too (momentum factor masking).
         self.velocity: Tensor | None = None
         # Set by an automatic scheduler: exchange this bucket densely while True.
         self.force_dense = False
-        # Host-side knowledge that the residual holds only zeros (true at the start and
-        # after a dense step without lossy compression). A dense step then needs nothing
-        # from it, and the adapter can reduce the bucket buffer itself: see
-        # :attr:`dense_in_buffer`.
-        self.residual_clear = True
         self.k = config.budget(numel)  # budget of the current step
         self._dense_lost: Tensor | None = None  # compression rounding of a dense step
         self._dense_from_residual = False  # whether a dense step reduces the residual
         self._accounting: dict[str, Any] = {}
+
+    @property
+    def residual(self) -> Tensor:
+        """What this rank still owes the sum, one flat buffer over the bucket."""
+        return self._residual
+
+    @residual.setter
+    def residual(self, value: Tensor) -> None:
+        # Whoever writes the residual may have written mass into it.
+        self._residual = value
+        self.residual_clear = False
 
     # ---------------------------------------------------------------- stage 1
     def accumulate(self, grad: Tensor, offset: int, prescale: float = 1.0) -> None:
@@ -117,7 +128,6 @@ class BucketReducer:
         Lets an adapter add each gradient as backward produces it, so :meth:`start`
         (with ``grad=None``) needs no separate flat copy of the bucket.
         """
-        self.residual_clear = False
         self.residual = self.ops.add_scaled_at_(self.residual, offset, grad, prescale)
 
     @property
@@ -152,7 +162,7 @@ class BucketReducer:
         # (already done tensor by tensor through accumulate() when grad is None).
         if grad is not None:
             self.residual = ops.add_scaled_(self.residual, grad, prescale)
-        self.residual_clear = False
+        self.residual_clear = False  # the gradients are in it (see accumulate())
         accumulator = self.residual
         if self.k >= self.numel or self.force_dense:
             return self._start_dense(accumulator, began)
@@ -412,7 +422,6 @@ class BucketReducer:
         """
         self.step = int(state["step"])
         self.selection.load_state_dict(state["selection"])
-        self.residual_clear = False  # a restored residual may owe mass
         if int(state["world_size"]) == self.world_size:
             self.boundaries = [int(b) for b in state["boundaries"]]
         if residual:

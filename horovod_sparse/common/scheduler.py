@@ -146,6 +146,9 @@ class BucketChoice:
     predicted_sparse: float = math.nan
     measured_dense: float = math.nan
     measured_sparse: float = math.nan
+    # The first step in a mode carries one-off costs (the first threshold estimate, the
+    # fold of the residual at a switch to dense) and is not counted.
+    _settling: bool = True
     _local: _Window = field(default_factory=_Window)
     _dense: _Window = field(default_factory=_Window)
     _sparse: _Window = field(default_factory=_Window)
@@ -153,6 +156,9 @@ class BucketChoice:
     def observe(self, dense: bool, seconds: float, local_seconds: float = 0.0) -> None:
         """One step of this bucket: its exchange seconds, and for a sparse step the
         local work (no collective waits) in it."""
+        if self._settling:
+            self._settling = False
+            return
         if dense:
             self._dense.add(seconds)
         else:
@@ -293,6 +299,7 @@ class AutoScheduler:
         )
         *flags, trial = flags
         for choice, flag in zip(self.choices, flags):
+            choice._settling = choice._settling or choice.dense != bool(flag)
             choice.dense = bool(flag)
         self.link = link
         self.decisions += 1

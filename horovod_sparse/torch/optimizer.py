@@ -761,6 +761,10 @@ class SparseOptimizerMixin:
             slot.reducer.load_state_dict(saved)
             if not exact:
                 slot.reducer.residual.mul_(1.0 / size)
+        if self._scheduler is not None:
+            # Decide again at the restored step, the same on every rank that loads: the
+            # next decision must not wait for a step count from before the restore.
+            self._scheduler.next_decision = self._sparse_slots()[0].reducer.step
         self._load_correction_state(sparse_state.get("momentum"))
 
     def _load_correction_state(self, saved: dict[str, Any] | None) -> None:

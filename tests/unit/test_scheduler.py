@@ -5,7 +5,6 @@ import math
 import pytest
 
 from horovod_sparse.common.scheduler import (
-    TRIAL_FACTOR,
     AutoScheduler,
     LinkModel,
     dense_seconds,
@@ -94,43 +93,41 @@ class FakeOps:
 
 
 @pytest.mark.parametrize(
-    "link, expected",
-    [(LinkModel(3e-3, 8e-9), [True, False]), (LinkModel(5e-5, 2e-10), [True, True])],
+    "link, trials, expected",
+    [
+        # 1 Gbit/s: dense 25M floats (~1.2 s) is beyond 2.5x sparse (~0.18 s): no trial.
+        (LinkModel(3e-3, 8e-9), [True, False], [True, False]),
+        (LinkModel(5e-5, 2e-10), [True, True], [True, True]),
+    ],
     ids=["1gbit", "loopback"],
 )
-def test_decide_measures_the_link_and_chooses_per_bucket(link, expected):
-    """Steps that take what the model predicts: after a trial of dense where the model
-    does not rule it out, measurements choose what the model would."""
+def test_decide_measures_the_link_and_chooses_per_bucket(link, trials, expected):
+    """Steps that take what the model predicts: dense is tried where the model does not
+    rule it out, and the measurements then choose what the model would."""
     ops = FakeOps(link, 4)
     buckets = [(4096, 4), (25_000_000, 4)]
     scheduler = AutoScheduler(ops, "s", None, buckets, density=0.01, every=10, first=5)
     assert [scheduler.due(s) for s in (0, 4, 5)] == [False, False, True]
 
-    def observe(dense: bool) -> None:
+    def observe() -> None:  # three steps of each bucket in the mode it runs
         for choice in scheduler.choices:
             k = math.ceil(0.01 * choice.numel)
             for _ in range(3):
-                if dense:
+                if choice.dense:
                     choice.observe(True, dense_seconds(link, choice.numel, 4, 4))
                 else:
                     seconds = sparse_seconds(link, choice.numel, k, 4, 2.5e-9)
                     choice.observe(False, seconds, 2.5e-9 * choice.numel)
 
-    observe(dense=False)
-    first = scheduler.decide(like=None, step=5)
-    big = scheduler.choices[1]
-    # Dense is tried wherever the model does not put it beyond TRIAL_FACTOR x sparse.
-    trials = [c.predicted_dense <= TRIAL_FACTOR * c.measured_sparse for c in scheduler.choices]
-    assert first == trials
+    observe()
+    assert scheduler.decide(like=None, step=5) == trials  # a trial runs dense
     assert ops.broadcasts == 1
-    if any(trials):  # the next decision ends the trial window of `first` steps
-        assert [scheduler.due(s) for s in (9, 10)] == [False, True]
-        observe(dense=True)
-        assert scheduler.decide(like=None, step=10) == expected
-        assert scheduler.next_decision == 20
-    else:
-        assert first == expected
-        assert [scheduler.due(s) for s in (14, 15)] == [False, True]
+    # The next decision ends the trial window of `first` steps.
+    assert [scheduler.due(s) for s in (9, 10)] == [False, True]
+    observe()
+    assert scheduler.decide(like=None, step=10) == expected
+    assert scheduler.next_decision == 20
+    big = scheduler.choices[1]
     assert scheduler.link.alpha == pytest.approx(link.alpha, rel=1e-6)
     assert big.local_per_element == pytest.approx(2.5e-9)
     assert big.predicted_sparse == pytest.approx(
@@ -154,7 +151,8 @@ def test_a_mode_the_model_rules_out_is_not_tried():
     link = LinkModel(3e-3, 8e-9)  # 1 Gbit/s: dense 25M floats ~ 1.2 s at P = 4
     scheduler = AutoScheduler(FakeOps(link, 4), "s", None, [(25_000_000, 4)], density=0.01)
     choice = scheduler.choices[0]
-    choice.observe(False, 0.2, 0.1)  # sparse measured at 0.2 s: dense is > 2.5x that
+    for _ in range(2):  # sparse measured at 0.2 s (the first step is not counted)
+        choice.observe(False, 0.2, 0.1)
     assert scheduler.decide(like=None, step=5) == [False]
     assert math.isnan(choice.measured_dense)
     assert scheduler.next_decision == 5 + scheduler.every
@@ -165,10 +163,12 @@ def test_measured_times_overrule_the_model():
     ops = FakeOps(link, 4)
     scheduler = AutoScheduler(ops, "s", None, [(25_000_000, 4)], density=0.01)
     choice = scheduler.choices[0]
+    choice.observe(False, 60.0, 1.0)  # the first step in a mode is not counted
     choice.observe(False, 5.0, 2.5e-9 * choice.numel)  # but sparse steps took 5 s
     assert scheduler.decide(like=None) == [True]
     assert choice.measured_sparse == pytest.approx(5.0)
     assert choice.predicted_sparse < choice.predicted_dense < choice.measured_sparse
+    choice.observe(True, 0.1)  # the switch's first dense step: not counted
     choice.observe(True, 9.0)  # and dense steps then measured slower still
     assert scheduler.decide(like=None) == [False]
     assert choice.measured_dense == pytest.approx(9.0)
