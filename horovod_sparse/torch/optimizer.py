@@ -873,8 +873,9 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
             replaced) with :meth:`write_trace`; :meth:`trace_summary` says how much
             reduce-scatter time backward hid.
         scheduler: ``"fixed"`` (every large bucket sparse) or ``"auto"`` (dense or
-            sparse per bucket from an alpha-beta model of the link and the measured
-            selection cost; see :mod:`horovod_sparse.common.scheduler`).
+            sparse per bucket from the measured cost of each mode, with a trial of
+            dense unless an alpha-beta model of the link rules it out; see
+            :mod:`horovod_sparse.common.scheduler`).
         scheduler_steps: steps between the automatic scheduler's decisions.
 
     ``groups`` (lists of parameters) and ``num_groups`` define the fusion buckets.
