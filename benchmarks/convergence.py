@@ -8,11 +8,14 @@ run, the curves as PNG, and a markdown table of final accuracy / loss and bytes 
     python benchmarks/convergence.py                       # everything (about an hour on 2 cores)
     python benchmarks/convergence.py --tasks digits --sizes 2
     python benchmarks/convergence.py --report-only         # redraw from the JSON files
+    python benchmarks/convergence.py --tasks char_lm --steps 3000 --eval-every 500 \
+        --out results/convergence_3000 --plots results/convergence_3000  # longer runs
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -61,7 +64,9 @@ MODES = {
 }
 
 
-def run_one(task: Task, size: int, mode: str, out: Path, timeout: int) -> Path:
+def run_one(
+    task: Task, size: int, mode: str, out: Path, timeout: int, eval_every: int | None = None
+) -> Path:
     path = out / f"{task.name}_np{size}_{mode}.json"
     cmd = [
         "horovodrun",
@@ -80,6 +85,8 @@ def run_one(task: Task, size: int, mode: str, out: Path, timeout: int) -> Path:
         "--json",
         str(path),
     ]
+    if eval_every is not None:
+        cmd += ["--eval-every", str(eval_every)]
     began = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -165,6 +172,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "results" / "convergence"))
     parser.add_argument("--plots", default=str(ROOT / "docs" / "accuracy"))
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    parser.add_argument("--steps", type=int, default=None, help="override every task's steps")
+    parser.add_argument("--eval-every", type=int, default=None, help="override the scripts'")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
 
@@ -172,13 +181,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     plots.mkdir(parents=True, exist_ok=True)
     tasks = [TASKS[name] for name in args.tasks.split(",")]
+    if args.steps is not None:
+        tasks = [dataclasses.replace(task, steps=args.steps) for task in tasks]
     sizes = [int(s) for s in args.sizes.split(",")]
     modes = args.modes.split(",")
     if not args.report_only:
         for task in tasks:
             for size in sizes:
                 for mode in modes:
-                    run_one(task, size, mode, out, args.timeout)
+                    run_one(task, size, mode, out, args.timeout, args.eval_every)
     results = {}
     for task in tasks:
         for size in sizes:
