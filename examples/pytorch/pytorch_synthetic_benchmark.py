@@ -12,6 +12,7 @@ manner of Horovod's own synthetic benchmark.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -132,6 +133,7 @@ def main() -> None:
         moved = s.bytes_sent + s.bytes_received
         extra["dense_buckets"], extra["sparse_buckets"] = s.dense_buckets, s.sparse_buckets
         extra["schedule"] = {k: v["mode"] for k, v in optimizer.schedule().items()}
+        extra["trials"] = [dataclasses.asdict(t) for t in optimizer.schedule_trials()]
         if args.trace:
             extra["trace"] = optimizer.trace_summary()
             optimizer.write_trace()

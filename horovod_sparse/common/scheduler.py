@@ -18,12 +18,21 @@ model's prediction. Measured times win because they include what the model leave
 
 A bucket starts sparse. At its first decision only the sparse side is measured, so
 unless the model puts the dense side beyond ``TRIAL_FACTOR`` times the measured sparse
-cost, the bucket runs dense for a trial window of ``first`` steps and is decided again
-from both measurements. (The model alone chose wrongly both ways on emulated links: its
-error against measured steps reached 149%.) Later decisions, every ``every`` steps,
-compare the latest measurement of each mode. Every decision probes the link afresh;
-rank 0's decision is broadcast, so every rank exchanges each bucket the same way. Both
-sides only need numbers: the probes and the broadcast run through the framework backend.
+cost, the bucket is proposed dense. (The model alone chose wrongly both ways on
+emulated links: its error against measured steps reached 149%.) Once both sides are
+measured, the cheaper one is proposed.
+
+Per-bucket exchange seconds do not see everything either: where ranks share cores, one
+bucket's selection or background copy slows everyone's backward. So a proposal that
+changes any bucket's mode is a trial: it runs for ``first`` steps, and it is kept only
+if the mean time of a whole training step (mean over ranks) beats that of the modes
+before it; otherwise those return. A rejected proposal may be tried again at a later
+decision, every ``every`` steps. The first step after a decision is not counted (it
+carries the probes and any fold of the residual).
+
+Every decision probes the link afresh; rank 0's decision is broadcast, so every rank
+exchanges each bucket the same way and decides at the same steps. Both sides only need
+numbers: the probes and the broadcast run through the framework backend.
 """
 
 from __future__ import annotations
@@ -35,7 +44,14 @@ from typing import Any
 from horovod_sparse.common.backend import Backend, Tensor
 from horovod_sparse.common.global_selection import HISTOGRAM_BINS, RADIX_SHIFTS
 
-__all__ = ["AutoScheduler", "LinkModel", "dense_seconds", "fit_link", "sparse_seconds"]
+__all__ = [
+    "AutoScheduler",
+    "LinkModel",
+    "TrialOutcome",
+    "dense_seconds",
+    "fit_link",
+    "sparse_seconds",
+]
 
 # Probe sizes in float32 elements: the smallest isolates alpha, the larger ones beta.
 # The largest (32 MiB) outlasts a shaper's burst allowance (tc tbf lets the first
@@ -179,19 +195,31 @@ class BucketChoice:
             return self.measured_sparse
         return self.predicted_sparse
 
-    def next_mode(self) -> tuple[bool, bool]:
-        """(dense, trial): the mode for the next window, and whether it is a trial of
-        a mode never measured."""
+    def proposal(self) -> bool:
+        """The mode this bucket's own costs suggest (True: dense)."""
         current = self.measured_dense if self.dense else self.measured_sparse
         other = self.measured_sparse if self.dense else self.measured_dense
         predicted_other = self.predicted_sparse if self.dense else self.predicted_dense
         if math.isnan(current):
-            return self.dense, False  # nothing measured in this mode yet: keep it
+            return self.dense  # nothing measured in this mode yet: keep it
         if math.isnan(other):
+            # Try the other mode unless the model puts it far behind.
             if not math.isnan(predicted_other) and predicted_other <= TRIAL_FACTOR * current:
-                return not self.dense, True
-            return self.dense, False  # the model puts the other mode far behind
-        return self.measured_dense < self.measured_sparse, False
+                return not self.dense
+            return self.dense
+        return self.measured_dense < self.measured_sparse
+
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    """One trial: the modes before and tried (True: dense, per bucket), the mean step
+    seconds of each, and whether the tried modes were kept."""
+
+    before: tuple[bool, ...]
+    tried: tuple[bool, ...]
+    seconds_before: float
+    seconds_tried: float
+    kept: bool
 
 
 class AutoScheduler:
@@ -206,6 +234,10 @@ class AutoScheduler:
         every: steps between decisions (the first one after ``first`` steps).
         first: sparse steps measured before the first decision, and the length of a
             trial window.
+
+    The adapter reports each bucket's steps (``choices[i].observe``) and each whole
+    training step (:meth:`observe_step`), asks :meth:`due` at every step and calls
+    :meth:`decide` when it is.
     """
 
     def __init__(
@@ -230,20 +262,42 @@ class AutoScheduler:
         self.link: LinkModel | None = None
         self.decisions = 0
         self.next_decision = self.first  # the step at which the next decision is due
+        # Mean seconds of a whole step under the current modes (NaN until measured).
+        self.step_seconds = math.nan
+        self.trials: list[TrialOutcome] = []  # every trial so far, for schedule()
+        self._trial_of: tuple[tuple[bool, ...], float] | None = None  # modes, seconds
+        self._steps = _Window()
+        self._step_settling = True  # the step after a decision is not counted
 
     def due(self, step: int) -> bool:
         return step >= self.next_decision
 
-    def decide(self, like: Tensor, step: int | None = None) -> list[bool]:
-        """Probe the link, share the measured local work, and choose; returns dense flags.
+    def observe_step(self, seconds: float) -> None:
+        """One whole training step took ``seconds`` on this rank."""
+        if self._step_settling:
+            self._step_settling = False
+            return
+        self._steps.add(seconds)
 
-        ``step`` (default: the step this decision was due at) sets when the next one is
-        due: after a trial window of ``first`` steps if any bucket starts a trial, else
-        after ``every`` steps.
+    def restart(self, step: int) -> None:
+        """After a restored checkpoint: decide at ``step``, with no trial in progress."""
+        self.next_decision = step
+        self._trial_of = None
+        self._steps.take()
+        self._step_settling = True
+
+    def decide(self, like: Tensor, step: int | None = None) -> list[bool]:
+        """Probe the link, share the measurements, and choose; returns dense flags.
+
+        At the end of a trial: keep the tried modes or return to those before, by the
+        mean step time. Otherwise: propose each bucket's mode from its own costs, and
+        start a trial if that changes any. ``step`` (default: the step this decision
+        was due at) sets when the next one is due: after ``first`` steps when a trial
+        starts, else after ``every`` steps.
 
         Sends: ``len(PROBE_NUMELS) * PROBE_REPEATS`` allreduces (up to 32 MiB), one
-        allreduce of 6 values per bucket, one broadcast of one value per bucket and one
-        more.
+        allreduce of 6 values per bucket and 2 more, one broadcast of one value per
+        bucket and one more.
         """
         ops = self.ops
         world = ops.size(self.process_set)
@@ -260,8 +314,10 @@ class AutoScheduler:
                 )
                 best = min(best, ops.clock() - began)
             samples.append((numel, best))
-        # Means over ranks of what each bucket measured since the last decision.
+        # Means over ranks of what each bucket, and each whole step, measured since the
+        # last decision.
         windows = [x for choice in self.choices for x in choice.take_windows()]
+        windows += list(self._steps.take())
         summed = ops.to_host_list(
             ops.wait(
                 ops.allreduce_sum_async(
@@ -270,7 +326,8 @@ class AutoScheduler:
             )
         )
         link = fit_link(samples, world)
-        modes = []  # (dense, trial) per bucket
+        step_total, step_count = summed[-2:]
+        step_seconds = step_total / step_count if step_count else math.nan
         for index, choice in enumerate(self.choices):
             local, n_local, dense_s, n_dense, sparse_s, n_sparse = summed[6 * index : 6 * index + 6]
             if n_local:
@@ -285,24 +342,37 @@ class AutoScheduler:
                 choice.predicted_sparse = sparse_seconds(
                     link, choice.numel, k, world, choice.local_per_element
                 )
-            modes.append(choice.next_mode())
-        trial = any(flag for _, flag in modes)
-        # Rank 0's choice (and whether it is a trial, which sets the next decision's
-        # step) for everyone: float rounding can never split the ranks.
-        flags = ops.to_host_list(
+        current = tuple(choice.dense for choice in self.choices)
+        start_trial = False
+        if self._trial_of is not None:
+            # A trial ends: keep the tried modes only if whole steps got faster.
+            before, seconds_before = self._trial_of
+            kept = math.isnan(seconds_before) or step_seconds < seconds_before
+            self.trials.append(TrialOutcome(before, current, seconds_before, step_seconds, kept))
+            modes = current if kept else before
+            self.step_seconds = step_seconds if kept else seconds_before
+        else:
+            if not math.isnan(step_seconds):
+                self.step_seconds = step_seconds
+            modes = tuple(choice.proposal() for choice in self.choices)
+            start_trial = modes != current
+        # Rank 0's modes, and whether they start a trial (which sets the next decision's
+        # step), for everyone: float rounding can never split the ranks.
+        *flags, start_trial = ops.to_host_list(
             ops.broadcast(
-                ops.from_host([float(d) for d, _ in modes] + [float(trial)], like),
+                ops.from_host([float(d) for d in modes] + [float(start_trial)], like),
                 0,
                 f"{self.name}.choice",
                 self.process_set,
             )
         )
-        *flags, trial = flags
+        self._trial_of = (current, self.step_seconds) if start_trial else None
         for choice, flag in zip(self.choices, flags):
             choice._settling = choice._settling or choice.dense != bool(flag)
             choice.dense = bool(flag)
+        self._step_settling = True
         self.link = link
         self.decisions += 1
         now = self.next_decision if step is None else step
-        self.next_decision = now + (self.first if bool(trial) else self.every)
+        self.next_decision = now + (self.first if start_trial else self.every)
         return [choice.dense for choice in self.choices]

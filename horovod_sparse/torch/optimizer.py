@@ -30,7 +30,7 @@ from horovod_sparse.common.pipeline import (
     GatherInFlight,
     ScatterInFlight,
 )
-from horovod_sparse.common.scheduler import AutoScheduler
+from horovod_sparse.common.scheduler import AutoScheduler, TrialOutcome
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.common.trace import Trace
 from horovod_sparse.common.validation import raise_on_any_rank, verdict_of
@@ -238,6 +238,7 @@ class SparseOptimizerMixin:
         if overlap_allgather:
             self._deferred = DeferredUpdates(self, model, self._slot_of, self._apply_bucket)
         self._scheduler: AutoScheduler | None = None
+        self._step_began: float | None = None  # host time the current step's backward began
         if scheduler == "auto" and self._sparse_slots():
             self._scheduler = AutoScheduler(
                 BACKEND,
@@ -382,6 +383,11 @@ class SparseOptimizerMixin:
                 self._deferred.apply_all(late=True)
             self._follow_world_size()
             if self._scheduler is not None:
+                # Whole steps, from one backward's start to the next, judge trials.
+                now = time.perf_counter()
+                if self._step_began is not None:
+                    self._scheduler.observe_step(now - self._step_began)
+                self._step_began = now
                 self._reschedule()
             if self._trace is not None:
                 self._trace.backward_step(time.perf_counter())
@@ -553,6 +559,12 @@ class SparseOptimizerMixin:
                 "measured_sparse_s": choice.measured_sparse if choice else float("nan"),
             }
         return out
+
+    def schedule_trials(self) -> list[TrialOutcome]:
+        """Every trial of the automatic scheduler so far: the modes before and tried
+        (True: dense, per sparse bucket), the mean step seconds of each, and whether the
+        tried modes were kept. Empty with ``scheduler="fixed"``."""
+        return list(self._scheduler.trials) if self._scheduler is not None else []
 
     def _end_step(self) -> None:
         if self._correction is not None:
@@ -764,7 +776,8 @@ class SparseOptimizerMixin:
         if self._scheduler is not None:
             # Decide again at the restored step, the same on every rank that loads: the
             # next decision must not wait for a step count from before the restore.
-            self._scheduler.next_decision = self._sparse_slots()[0].reducer.step
+            self._scheduler.restart(self._sparse_slots()[0].reducer.step)
+            self._step_began = None
         self._load_correction_state(sparse_state.get("momentum"))
 
     def _load_correction_state(self, saved: dict[str, Any] | None) -> None:

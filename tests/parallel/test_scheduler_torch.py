@@ -52,12 +52,12 @@ def spread(model) -> float:
 
 
 @pytest.mark.parametrize(
-    "link, dense_expected",
+    "link, dense_tried",
     [(LinkModel(alpha=0.0, beta=0.0), True), (LinkModel(alpha=0.0, beta=1.0), False)],
-    ids=["free-link-goes-dense", "bandwidth-bound-stays-sparse"],
+    ids=["free-link-tries-dense", "bandwidth-bound-stays-sparse"],
 )
-def test_auto_chooses_from_the_link_and_every_rank_agrees(monkeypatch, link, dense_expected):
-    # Replace the fitted link by an extreme one so the right choice is not in doubt.
+def test_auto_tries_what_the_link_allows_and_every_rank_agrees(monkeypatch, link, dense_tried):
+    # Replace the fitted link by an extreme one so the proposal is not in doubt.
     monkeypatch.setattr(scheduler_module, "fit_link", lambda samples, world: link)
     model, opt = model_and_optimizer()
     sparse_buckets = len(opt.residuals())
@@ -65,24 +65,32 @@ def test_auto_chooses_from_the_link_and_every_rank_agrees(monkeypatch, link, den
     modes = train(model, opt, 12)
     # Steps before the first decision (step 5) are sparse for both weight buckets.
     assert modes[0] == (1, 2)  # the biases' dense bucket, two sparse buckets
-    wanted = (3, 0) if dense_expected else (1, 2)
-    assert modes[-1] == wanted
+    trials = opt._scheduler.trials
+    if dense_tried:
+        # Steps 5-9 ran dense; at step 10 whole-step times kept it or went back.
+        assert modes[5:10] == [(3, 0)] * 5
+        (outcome,) = trials
+        assert outcome.before == (False, False) and outcome.tried == (True, True)
+        assert math.isfinite(outcome.seconds_before) and math.isfinite(outcome.seconds_tried)
+        assert outcome.kept == (outcome.seconds_tried < outcome.seconds_before)
+        final = "dense" if outcome.kept else "sparse"
+    else:
+        assert trials == []  # the model rules dense out: no trial
+        final = "sparse"
+    assert modes[-1] == ((3, 0) if final == "dense" else (1, 2))
     schedule = opt.schedule()
-    assert {entry["mode"] for entry in schedule.values()} == {
-        "dense" if dense_expected else "sparse"
-    }
+    assert {entry["mode"] for entry in schedule.values()} == {final}
     for entry in schedule.values():
         assert math.isfinite(entry["predicted_dense_s"])
         assert math.isfinite(entry["predicted_sparse_s"])
         assert entry["local_s_per_element"] > 0
         assert entry["measured_sparse_s"] > 0  # the sparse steps before the first decision
-        # A free link lets dense be tried (and measured) before the choice; a link that
-        # makes dense hopeless rules the trial out.
-        if dense_expected:
+        if dense_tried:
             assert entry["measured_dense_s"] > 0
         else:
             assert math.isnan(entry["measured_dense_s"])
     assert agree(modes) and agree(sorted((k, v["mode"]) for k, v in schedule.items()))
+    assert agree([(t.before, t.tried, t.seconds_before, t.seconds_tried, t.kept) for t in trials])
     assert spread(model) == 0.0
 
 

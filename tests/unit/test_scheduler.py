@@ -92,47 +92,67 @@ class FakeOps:
         return tensor
 
 
+def observe_in_current_modes(scheduler: AutoScheduler, link: LinkModel, steps: int = 3) -> None:
+    """``steps`` steps of each bucket in the mode it runs, taking what the model predicts."""
+    for choice in scheduler.choices:
+        k = math.ceil(0.01 * choice.numel)
+        for _ in range(steps):
+            if choice.dense:
+                choice.observe(True, dense_seconds(link, choice.numel, 4, 4))
+            else:
+                seconds = sparse_seconds(link, choice.numel, k, 4, 2.5e-9)
+                choice.observe(False, seconds, 2.5e-9 * choice.numel)
+
+
 @pytest.mark.parametrize(
-    "link, trials, expected",
+    "link, proposed",
     [
-        # 1 Gbit/s: dense 25M floats (~1.2 s) is beyond 2.5x sparse (~0.18 s): no trial.
-        (LinkModel(3e-3, 8e-9), [True, False], [True, False]),
-        (LinkModel(5e-5, 2e-10), [True, True], [True, True]),
+        # 1 Gbit/s: dense 25M floats (~1.2 s) is beyond 2.5x sparse (~0.18 s): not tried.
+        (LinkModel(3e-3, 8e-9), [True, False]),
+        (LinkModel(5e-5, 2e-10), [True, True]),
     ],
     ids=["1gbit", "loopback"],
 )
-def test_decide_measures_the_link_and_chooses_per_bucket(link, trials, expected):
-    """Steps that take what the model predicts: dense is tried where the model does not
-    rule it out, and the measurements then choose what the model would."""
+def test_first_decision_tries_dense_where_the_model_allows(link, proposed):
     ops = FakeOps(link, 4)
     buckets = [(4096, 4), (25_000_000, 4)]
     scheduler = AutoScheduler(ops, "s", None, buckets, density=0.01, every=10, first=5)
     assert [scheduler.due(s) for s in (0, 4, 5)] == [False, False, True]
-
-    def observe() -> None:  # three steps of each bucket in the mode it runs
-        for choice in scheduler.choices:
-            k = math.ceil(0.01 * choice.numel)
-            for _ in range(3):
-                if choice.dense:
-                    choice.observe(True, dense_seconds(link, choice.numel, 4, 4))
-                else:
-                    seconds = sparse_seconds(link, choice.numel, k, 4, 2.5e-9)
-                    choice.observe(False, seconds, 2.5e-9 * choice.numel)
-
-    observe()
-    assert scheduler.decide(like=None, step=5) == trials  # a trial runs dense
+    observe_in_current_modes(scheduler, link)
+    assert scheduler.decide(like=None, step=5) == proposed
     assert ops.broadcasts == 1
-    # The next decision ends the trial window of `first` steps.
+    # A trial of `first` steps: the next decision ends it.
     assert [scheduler.due(s) for s in (9, 10)] == [False, True]
-    observe()
-    assert scheduler.decide(like=None, step=10) == expected
-    assert scheduler.next_decision == 20
     big = scheduler.choices[1]
     assert scheduler.link.alpha == pytest.approx(link.alpha, rel=1e-6)
     assert big.local_per_element == pytest.approx(2.5e-9)
     assert big.predicted_sparse == pytest.approx(
         sparse_seconds(scheduler.link, big.numel, 250_000, 4, 2.5e-9)
     )
+
+
+@pytest.mark.parametrize("trial_step_s, kept", [(1.0, True), (3.0, False)])
+def test_a_trial_is_kept_only_if_whole_steps_get_faster(trial_step_s, kept):
+    link = LinkModel(5e-5, 2e-10)  # loopback: the model lets both buckets try dense
+    ops = FakeOps(link, 4)
+    scheduler = AutoScheduler(ops, "s", None, [(4096, 4), (25_000_000, 4)], 0.01, every=10)
+    observe_in_current_modes(scheduler, link)
+    for seconds in (60.0, 2.0, 2.0, 2.0, 2.0):  # the first step is not counted
+        scheduler.observe_step(seconds)
+    assert scheduler.decide(like=None, step=5) == [True, True]
+    assert scheduler.step_seconds == pytest.approx(2.0)
+    observe_in_current_modes(scheduler, link)
+    for seconds in (60.0, *[trial_step_s] * 4):  # the decision's own step is not counted
+        scheduler.observe_step(seconds)
+    modes = scheduler.decide(like=None, step=10)
+    assert modes == ([True, True] if kept else [False, False])
+    (outcome,) = scheduler.trials
+    assert outcome.before == (False, False) and outcome.tried == (True, True)
+    assert outcome.seconds_before == pytest.approx(2.0)
+    assert outcome.seconds_tried == pytest.approx(trial_step_s)
+    assert outcome.kept == kept
+    assert scheduler.step_seconds == pytest.approx(trial_step_s if kept else 2.0)
+    assert scheduler.next_decision == 20  # no trial pending: the regular interval
 
 
 def test_a_bucket_never_measured_keeps_its_mode():
@@ -158,17 +178,25 @@ def test_a_mode_the_model_rules_out_is_not_tried():
     assert scheduler.next_decision == 5 + scheduler.every
 
 
-def test_measured_times_overrule_the_model():
+def test_measured_bucket_times_overrule_the_model():
     link = LinkModel(3e-3, 8e-9)  # the model says sparse for a 25M bucket
     ops = FakeOps(link, 4)
     scheduler = AutoScheduler(ops, "s", None, [(25_000_000, 4)], density=0.01)
     choice = scheduler.choices[0]
     choice.observe(False, 60.0, 1.0)  # the first step in a mode is not counted
     choice.observe(False, 5.0, 2.5e-9 * choice.numel)  # but sparse steps took 5 s
-    assert scheduler.decide(like=None) == [True]
+    for seconds in (60.0, 6.0):
+        scheduler.observe_step(seconds)
+    assert scheduler.decide(like=None, step=5) == [True]  # so dense is tried
     assert choice.measured_sparse == pytest.approx(5.0)
     assert choice.predicted_sparse < choice.predicted_dense < choice.measured_sparse
     choice.observe(True, 0.1)  # the switch's first dense step: not counted
     choice.observe(True, 9.0)  # and dense steps then measured slower still
-    assert scheduler.decide(like=None) == [False]
+    for seconds in (60.0, 10.0):
+        scheduler.observe_step(seconds)
+    assert scheduler.decide(like=None, step=10) == [False]  # steps were slower: back
     assert choice.measured_dense == pytest.approx(9.0)
+    # With both modes measured, the bucket's own costs propose sparse: no new trial.
+    choice.observe(False, 5.0, 2.5e-9 * choice.numel)
+    assert scheduler.decide(like=None, step=scheduler.next_decision) == [False]
+    assert len(scheduler.trials) == 1
