@@ -50,7 +50,7 @@ def command(args: argparse.Namespace, config: str, result: Path) -> list[str]:
         "--batch-size",
         str(args.batch_size),
         "--num-warmup-batches",
-        "12",  # the automatic scheduler decides at step 5 and, after a trial, at 10
+        "18",  # the automatic scheduler decides at step 10 and, after a trial, at 15
         "--num-iters",
         str(args.iters),
         "--json",

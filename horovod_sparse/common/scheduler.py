@@ -27,8 +27,11 @@ bucket's selection or background copy slows everyone's backward. So a proposal t
 changes any bucket's mode is a trial: it runs for ``first`` steps, and it is kept only
 if the mean time of a whole training step (mean over ranks) beats that of the modes
 before it; otherwise those return. A rejected proposal may be tried again at a later
-decision, every ``every`` steps. The first step after a decision is not counted (it
-carries the probes and any fold of the residual).
+decision, every ``every`` steps. Whole steps are counted from step ``first`` on, so the
+first decision comes at step ``2 * first``: the first steps of training run slower
+(allocations, connections, first threshold estimates) and would favour any trial. The
+first step after a decision is not counted either (it carries the probes and any fold
+of the residual).
 
 Every decision probes the link afresh; rank 0's decision is broadcast, so every rank
 exchanges each bucket the same way and decides at the same steps. Both sides only need
@@ -231,9 +234,9 @@ class AutoScheduler:
         process_set: the ranks taking part.
         buckets: (numel, bytes per value) of each sparse bucket, in bucket order.
         density: the density a sparse step uses (k = ceil(density * n)).
-        every: steps between decisions (the first one after ``first`` steps).
-        first: sparse steps measured before the first decision, and the length of a
-            trial window.
+        every: steps between decisions (the first one at step ``2 * first``).
+        first: the length of a trial window, and of the start of training whose
+            whole-step times are not counted.
 
     The adapter reports each bucket's steps (``choices[i].observe``) and each whole
     training step (:meth:`observe_step`), asks :meth:`due` at every step and calls
@@ -261,21 +264,21 @@ class AutoScheduler:
         self.choices = [BucketChoice(n, size) for n, size in buckets]
         self.link: LinkModel | None = None
         self.decisions = 0
-        self.next_decision = self.first  # the step at which the next decision is due
+        self.next_decision = 2 * self.first  # the step at which the next decision is due
         # Mean seconds of a whole step under the current modes (NaN until measured).
         self.step_seconds = math.nan
         self.trials: list[TrialOutcome] = []  # every trial so far, for schedule()
         self._trial_of: tuple[tuple[bool, ...], float] | None = None  # modes, seconds
         self._steps = _Window()
-        self._step_settling = True  # the step after a decision is not counted
+        self._steps_to_skip = self.first  # whole steps not counted: start of training
 
     def due(self, step: int) -> bool:
         return step >= self.next_decision
 
     def observe_step(self, seconds: float) -> None:
         """One whole training step took ``seconds`` on this rank."""
-        if self._step_settling:
-            self._step_settling = False
+        if self._steps_to_skip > 0:
+            self._steps_to_skip -= 1
             return
         self._steps.add(seconds)
 
@@ -284,7 +287,7 @@ class AutoScheduler:
         self.next_decision = step
         self._trial_of = None
         self._steps.take()
-        self._step_settling = True
+        self._steps_to_skip = 1
 
     def decide(self, like: Tensor, step: int | None = None) -> list[bool]:
         """Probe the link, share the measurements, and choose; returns dense flags.
@@ -370,7 +373,7 @@ class AutoScheduler:
         for choice, flag in zip(self.choices, flags):
             choice._settling = choice._settling or choice.dense != bool(flag)
             choice.dense = bool(flag)
-        self._step_settling = True
+        self._steps_to_skip = 1  # the next step carries this decision's probes
         self.link = link
         self.decisions += 1
         now = self.next_decision if step is None else step

@@ -62,13 +62,13 @@ def test_auto_tries_what_the_link_allows_and_every_rank_agrees(monkeypatch, link
     model, opt = model_and_optimizer()
     sparse_buckets = len(opt.residuals())
     assert sparse_buckets == 2
-    modes = train(model, opt, 12)
-    # Steps before the first decision (step 5) are sparse for both weight buckets.
-    assert modes[0] == (1, 2)  # the biases' dense bucket, two sparse buckets
+    modes = train(model, opt, 17)
+    # Steps before the first decision (step 10) are sparse for both weight buckets.
+    assert modes[:10] == [(1, 2)] * 10  # the biases' dense bucket, two sparse buckets
     trials = opt._scheduler.trials
     if dense_tried:
-        # Steps 5-9 ran dense; at step 10 whole-step times kept it or went back.
-        assert modes[5:10] == [(3, 0)] * 5
+        # Steps 10-14 ran dense; at step 15 whole-step times kept it or went back.
+        assert modes[10:15] == [(3, 0)] * 5
         (outcome,) = trials
         assert outcome.before == (False, False) and outcome.tried == (True, True)
         assert math.isfinite(outcome.seconds_before) and math.isfinite(outcome.seconds_tried)
@@ -96,8 +96,8 @@ def test_auto_tries_what_the_link_allows_and_every_rank_agrees(monkeypatch, link
 
 def test_auto_with_the_measured_link_keeps_ranks_identical():
     model, opt = model_and_optimizer()
-    modes = train(model, opt, 15)
-    # Steps 5, 9, 13 without trials; 5, 10, 14 with one (5 steps) at the first decision.
+    modes = train(model, opt, 20)
+    # Steps 10, 14, 18 without trials; 10, 15, 19 with one (5 steps) at the first decision.
     assert opt._scheduler.decisions >= 2
     assert agree([opt._scheduler.decisions, opt._scheduler.next_decision])
     assert agree(modes) and agree([v["mode"] for v in opt.schedule().values()])

@@ -117,12 +117,12 @@ def test_first_decision_tries_dense_where_the_model_allows(link, proposed):
     ops = FakeOps(link, 4)
     buckets = [(4096, 4), (25_000_000, 4)]
     scheduler = AutoScheduler(ops, "s", None, buckets, density=0.01, every=10, first=5)
-    assert [scheduler.due(s) for s in (0, 4, 5)] == [False, False, True]
+    assert [scheduler.due(s) for s in (0, 9, 10)] == [False, False, True]
     observe_in_current_modes(scheduler, link)
-    assert scheduler.decide(like=None, step=5) == proposed
+    assert scheduler.decide(like=None, step=10) == proposed
     assert ops.broadcasts == 1
     # A trial of `first` steps: the next decision ends it.
-    assert [scheduler.due(s) for s in (9, 10)] == [False, True]
+    assert [scheduler.due(s) for s in (14, 15)] == [False, True]
     big = scheduler.choices[1]
     assert scheduler.link.alpha == pytest.approx(link.alpha, rel=1e-6)
     assert big.local_per_element == pytest.approx(2.5e-9)
@@ -137,14 +137,16 @@ def test_a_trial_is_kept_only_if_whole_steps_get_faster(trial_step_s, kept):
     ops = FakeOps(link, 4)
     scheduler = AutoScheduler(ops, "s", None, [(4096, 4), (25_000_000, 4)], 0.01, every=10)
     observe_in_current_modes(scheduler, link)
-    for seconds in (60.0, 2.0, 2.0, 2.0, 2.0):  # the first step is not counted
+    for seconds in (60.0, 30.0, 9.0, 9.0, 9.0):  # the start of training is not counted
         scheduler.observe_step(seconds)
-    assert scheduler.decide(like=None, step=5) == [True, True]
+    for seconds in (2.0, 2.0, 2.0, 2.0, 2.0):
+        scheduler.observe_step(seconds)
+    assert scheduler.decide(like=None, step=10) == [True, True]
     assert scheduler.step_seconds == pytest.approx(2.0)
     observe_in_current_modes(scheduler, link)
     for seconds in (60.0, *[trial_step_s] * 4):  # the decision's own step is not counted
         scheduler.observe_step(seconds)
-    modes = scheduler.decide(like=None, step=10)
+    modes = scheduler.decide(like=None, step=15)
     assert modes == ([True, True] if kept else [False, False])
     (outcome,) = scheduler.trials
     assert outcome.before == (False, False) and outcome.tried == (True, True)
@@ -152,7 +154,7 @@ def test_a_trial_is_kept_only_if_whole_steps_get_faster(trial_step_s, kept):
     assert outcome.seconds_tried == pytest.approx(trial_step_s)
     assert outcome.kept == kept
     assert scheduler.step_seconds == pytest.approx(trial_step_s if kept else 2.0)
-    assert scheduler.next_decision == 20  # no trial pending: the regular interval
+    assert scheduler.next_decision == 25  # no trial pending: the regular interval
 
 
 def test_a_bucket_never_measured_keeps_its_mode():
@@ -185,16 +187,16 @@ def test_measured_bucket_times_overrule_the_model():
     choice = scheduler.choices[0]
     choice.observe(False, 60.0, 1.0)  # the first step in a mode is not counted
     choice.observe(False, 5.0, 2.5e-9 * choice.numel)  # but sparse steps took 5 s
-    for seconds in (60.0, 6.0):
+    for seconds in (60.0, 60.0, 60.0, 60.0, 60.0, 6.0):  # the first 5 are not counted
         scheduler.observe_step(seconds)
-    assert scheduler.decide(like=None, step=5) == [True]  # so dense is tried
+    assert scheduler.decide(like=None, step=10) == [True]  # so dense is tried
     assert choice.measured_sparse == pytest.approx(5.0)
     assert choice.predicted_sparse < choice.predicted_dense < choice.measured_sparse
     choice.observe(True, 0.1)  # the switch's first dense step: not counted
     choice.observe(True, 9.0)  # and dense steps then measured slower still
     for seconds in (60.0, 10.0):
         scheduler.observe_step(seconds)
-    assert scheduler.decide(like=None, step=10) == [False]  # steps were slower: back
+    assert scheduler.decide(like=None, step=15) == [False]  # steps were slower: back
     assert choice.measured_dense == pytest.approx(9.0)
     # With both modes measured, the bucket's own costs propose sparse: no new trial.
     choice.observe(False, 5.0, 2.5e-9 * choice.numel)
