@@ -11,7 +11,7 @@ process set itself) and P ranks:
   four histogram allreduces ``4 (2(P-1) alpha + 2 (P-1)/P * 1 KiB * beta)`` and the
   all-gather ``(P-1) alpha + k r beta`` (r: bytes per (index, value) row).
 
-Each decision compares a bucket's cost both ways: the host seconds its steps actually
+Each decision weighs a bucket's cost both ways: the host seconds its steps actually
 spent in the exchange when it last ran that way (measured, mean over ranks), else the
 model's prediction. Measured times win because they include what the model leaves out
 (contention for cores, waits behind other buckets, the copies around a collective).
@@ -188,16 +188,6 @@ class BucketChoice:
         """(sum, count) of local work, dense and sparse seconds; windows restart."""
         return [x for window in (self._local, self._dense, self._sparse) for x in window.take()]
 
-    @property
-    def cost_dense(self) -> float:
-        return self.measured_dense if not math.isnan(self.measured_dense) else self.predicted_dense
-
-    @property
-    def cost_sparse(self) -> float:
-        if not math.isnan(self.measured_sparse):
-            return self.measured_sparse
-        return self.predicted_sparse
-
     def proposal(self) -> bool:
         """The mode this bucket's own costs suggest (True: dense)."""
         current = self.measured_dense if self.dense else self.measured_sparse
@@ -267,7 +257,7 @@ class AutoScheduler:
         self.next_decision = 2 * self.first  # the step at which the next decision is due
         # Mean seconds of a whole step under the current modes (NaN until measured).
         self.step_seconds = math.nan
-        self.trials: list[TrialOutcome] = []  # every trial so far, for schedule()
+        self.trials: list[TrialOutcome] = []  # every trial so far, for the adapter to show
         self._trial_of: tuple[tuple[bool, ...], float] | None = None  # modes, seconds
         self._steps = _Window()
         self._steps_to_skip = self.first  # whole steps not counted: start of training
@@ -369,7 +359,8 @@ class AutoScheduler:
                 self.process_set,
             )
         )
-        self._trial_of = (current, self.step_seconds) if start_trial else None
+        # A trial is judged against the window just measured under the current modes.
+        self._trial_of = (current, step_seconds) if start_trial else None
         for choice, flag in zip(self.choices, flags):
             choice._settling = choice._settling or choice.dense != bool(flag)
             choice.dense = bool(flag)

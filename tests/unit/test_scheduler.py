@@ -161,7 +161,8 @@ def test_a_bucket_never_measured_keeps_its_mode():
     ops = FakeOps(LinkModel(5e-5, 2e-10), 2)
     scheduler = AutoScheduler(ops, "s", None, [(10_000, 4)], density=0.01)
     assert scheduler.decide(like=None) == [False]
-    assert math.isnan(scheduler.choices[0].cost_sparse)
+    assert math.isnan(scheduler.choices[0].measured_sparse)
+    assert scheduler.trials == []
 
 
 def test_bad_interval_is_refused():
