@@ -442,6 +442,8 @@ class DenseBucketReducer:
     """
 
     NUM_COUNTS = 1  # len(step_counts())
+    # Every step reduces the buffer of gradients (see BucketReducer.dense_in_buffer).
+    dense_in_buffer = True
 
     def __init__(
         self,
@@ -470,6 +472,10 @@ class DenseBucketReducer:
         handle = self.ops.allreduce_sum_async(wire, f"{self.name}.dense", self.process_set)
         self._seconds = self.ops.clock() - began
         return GatherInFlight(handle, 0, wire, ctx)
+
+    def start_in_buffer(self, buffer: Tensor, prescale: float = 1.0) -> GatherInFlight:
+        """:meth:`start` under the name :class:`BucketReducer` uses for a dense step."""
+        return self.start(buffer, prescale)
 
     def reduce_and_gather(self, inflight: GatherInFlight) -> GatherInFlight:
         return inflight

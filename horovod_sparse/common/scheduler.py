@@ -188,6 +188,12 @@ class BucketChoice:
         """(sum, count) of local work, dense and sparse seconds; windows restart."""
         return [x for window in (self._local, self._dense, self._sparse) for x in window.take()]
 
+    def switch(self, dense: bool) -> None:
+        """Run this bucket dense or sparse from now on; a change of mode makes the next
+        step a settling one."""
+        self._settling = self._settling or self.dense != dense
+        self.dense = dense
+
     def proposal(self) -> bool:
         """The mode this bucket's own costs suggest (True: dense)."""
         current = self.measured_dense if self.dense else self.measured_sparse
@@ -362,8 +368,7 @@ class AutoScheduler:
         # A trial is judged against the window just measured under the current modes.
         self._trial_of = (current, step_seconds) if start_trial else None
         for choice, flag in zip(self.choices, flags):
-            choice._settling = choice._settling or choice.dense != bool(flag)
-            choice.dense = bool(flag)
+            choice.switch(bool(flag))
         self._steps_to_skip = 1  # the next step carries this decision's probes
         self.link = link
         self.decisions += 1

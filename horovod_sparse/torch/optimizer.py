@@ -419,7 +419,7 @@ class SparseOptimizerMixin:
         slot, offset = self._slot_of[p]
         # A dense bucket, or a sparse one whose step is dense and owes nothing, reduces
         # the bucket buffer; a sparse step reduces the residual.
-        in_buffer = not isinstance(slot.reducer, BucketReducer) or slot.reducer.dense_in_buffer
+        in_buffer = slot.reducer.dense_in_buffer
         if in_buffer:
             slot.flat[offset : offset + p.numel()].copy_(grad.reshape(-1))
         else:
@@ -428,12 +428,10 @@ class SparseOptimizerMixin:
         slot.waiting -= 1
         if slot.waiting == 0:
             # Last gradient of the bucket: start its reduce-scatter now, during backward.
-            if not in_buffer:
-                slot.stage = slot.reducer.start(None)
-            elif isinstance(slot.reducer, BucketReducer):
+            if in_buffer:
                 slot.stage = slot.reducer.start_in_buffer(slot.flat, self._prescale)
             else:
-                slot.stage = slot.reducer.start(slot.flat, self._prescale)
+                slot.stage = slot.reducer.start(None)
             if self._trace is not None:
                 kind = "reduce-scatter" if isinstance(slot.stage, ScatterInFlight) else "allreduce"
                 self._trace.launched(slot.bucket.name, slot.bucket.name, kind, time.perf_counter())
@@ -886,8 +884,8 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
             replaced) with :meth:`write_trace`; :meth:`trace_summary` says how much
             reduce-scatter time backward hid.
         scheduler: ``"fixed"`` (every large bucket sparse) or ``"auto"`` (dense or
-            sparse per bucket from the measured cost of each mode, with a trial of
-            dense unless an alpha-beta model of the link rules it out; see
+            sparse per bucket: a change proposed from each bucket's measured costs
+            runs as a trial and is kept only if whole steps get faster; see
             :mod:`horovod_sparse.common.scheduler`).
         scheduler_steps: steps between the automatic scheduler's decisions.
 
