@@ -48,11 +48,16 @@ class BucketState:
 
     ``residual`` is checkpointable (``tf.Variable`` or Keras variable); ``counts`` holds
     the raw figures of the last step so :meth:`stats` works after a ``tf.function``.
+    ``velocity`` (momentum correction, see :class:`GradientReducer`) is this rank's SGD
+    velocity over the bucket, or None.
     """
 
     reducer: BucketReducer | DenseBucketReducer
     residual: Any  # None for a dense bucket
     counts: tf.Variable
+    velocity: Any = None
+    momentum: float = 0.0
+    nesterov: bool = False
 
     def stats(self) -> StepStats:
         values = self.counts.numpy().tolist()[: self.reducer.NUM_COUNTS]
@@ -65,18 +70,33 @@ def make_counts_variable() -> tf.Variable:
 
 
 def run_bucket(state: BucketState, flat: tf.Tensor, prescale: float, postscale: float) -> tf.Tensor:
-    """One exchange of ``flat``: read the residual, run the stages, write residual and counts."""
+    """One exchange of ``flat``: read the residual, run the stages, write residual and counts.
+
+    With a velocity (momentum correction) the exchange carries ``u = m * u + flat``
+    (``flat + m * u`` for Nesterov) instead of ``flat``; in a sparse bucket the entries
+    this rank selects are zeroed in ``u`` too (momentum factor masking), a dense bucket
+    keeps all of ``u`` as dense momentum SGD does.
+    """
     reducer = state.reducer
-    if state.residual is not None:
+    sparse = state.residual is not None
+    if sparse:
         reducer.residual = tf.convert_to_tensor(state.residual)
+    velocity = None
+    if state.velocity is not None:
+        velocity = state.momentum * tf.convert_to_tensor(state.velocity) + flat
+        flat = flat + state.momentum * velocity if state.nesterov else velocity
+        if sparse:
+            reducer.velocity = velocity
     inflight = reducer.start(flat, prescale)
     inflight = reducer.reduce_and_gather(inflight)
     result = reducer.finish(inflight, flat, postscale)
     counts = [tf.cast(c, tf.float64) for c in reducer.step_counts()]
     counts += [tf.constant(0.0, tf.float64)] * (_COUNT_SLOTS - len(counts))
     updates = [state.counts.assign(tf.stack(counts))]
-    if state.residual is not None:
+    if sparse:
         updates.append(state.residual.assign(reducer.residual))
+    if velocity is not None:
+        updates.append(state.velocity.assign(reducer.velocity if sparse else velocity))
     with tf.control_dependencies(updates):
         return tf.identity(result)
 
@@ -92,6 +112,12 @@ class GradientReducer:
         name: prefix of collective names (distinct per reducer, identical on every rank).
         make_residual: ``(numel, dtype, name) -> variable``; lets the Keras optimizer
             own the residuals so they are saved with its checkpoint.
+        momentum, nesterov, make_velocity: momentum correction (DGC) for an SGD whose
+            own momentum is off: with ``momentum > 0`` every bucket keeps a per-rank
+            velocity ``u = momentum * u + grad`` (a ``make_velocity`` variable, like the
+            residual), the exchange carries ``u`` (``grad + momentum * u`` for Nesterov)
+            and a sparse bucket zeroes the entries it sent in ``u``. The reduced result
+            is then the step direction: the caller applies ``-lr`` times it.
     """
 
     def __init__(
@@ -108,6 +134,9 @@ class GradientReducer:
         num_groups: int = 0,
         name: str = "hvds.tf",
         make_residual: Callable[[int, tf.DType, str], Any] | None = None,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        make_velocity: Callable[[int, tf.DType, str], Any] | None = None,
     ) -> None:
         if not process_set.included():
             raise ValueError("this rank is not in the process_set")
@@ -117,6 +146,8 @@ class GradientReducer:
             op_name(op), process_set.size(), float(gradient_predivide_factor)
         )
         make_residual = make_residual or _plain_residual
+        make_velocity = make_velocity or _plain_velocity
+        self.momentum = float(momentum)
         names = [f"{i}" for i in range(len(variables))]
         for v in variables:
             if not tf.as_dtype(v.dtype).is_floating:
@@ -162,9 +193,13 @@ class GradientReducer:
                     BACKEND, stem, bucket.numel, like, process_set, compression
                 )
                 residual = None
-            self.buckets.append(
-                (bucket, positions, BucketState(reducer, residual, make_counts_variable()))
+            velocity = (
+                make_velocity(bucket.numel, dtype, bucket.name) if self.momentum > 0 else None
             )
+            state = BucketState(
+                reducer, residual, make_counts_variable(), velocity, self.momentum, nesterov
+            )
+            self.buckets.append((bucket, positions, state))
 
     def reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
         """Reduced gradients, in the order of ``grads``. ``None`` gradients count as zeros."""
@@ -202,10 +237,19 @@ class GradientReducer:
         """Residual variable per sparse bucket."""
         return {b.name: s.residual for b, _, s in self.buckets if s.residual is not None}
 
+    def velocities(self) -> dict[str, Any]:
+        """Momentum-correction velocity variable per bucket (empty when it is off)."""
+        return {b.name: s.velocity for b, _, s in self.buckets if s.velocity is not None}
+
 
 def _plain_residual(numel: int, dtype: tf.DType, name: str) -> tf.Variable:
     with tf.init_scope():
         return tf.Variable(tf.zeros([numel], dtype), trainable=False, name=f"residual_{name}")
+
+
+def _plain_velocity(numel: int, dtype: tf.DType, name: str) -> tf.Variable:
+    with tf.init_scope():
+        return tf.Variable(tf.zeros([numel], dtype), trainable=False, name=f"velocity_{name}")
 
 
 def _numel(variable: Any) -> int:

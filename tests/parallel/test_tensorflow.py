@@ -254,6 +254,90 @@ def test_keras_backward_passes_per_step():
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
+def test_keras_momentum_correction_at_density_one_equals_keras_momentum_sgd(nesterov):
+    """Sums are linear: the average of per-rank velocities is the velocity of the average."""
+    model, ref = make_model(), make_model()
+    opt = hvds_keras.DistributedOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9, nesterov=nesterov),
+        density=1.0,
+        momentum_correction=True,
+    )
+    ref_opt = keras.optimizers.SGD(0.05, momentum=0.9, nesterov=nesterov)
+    for step in range(8):
+        x, y = data(40 + step)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        with tf.GradientTape() as tape:
+            ref_loss = loss_fn(y, ref(x))
+        ref_grads = tape.gradient(ref_loss, ref.trainable_variables)
+        averaged = [
+            hvd.allreduce(g, name=f"kmc1.{nesterov}.{step}.{i}") for i, g in enumerate(ref_grads)
+        ]
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        ref_opt.apply_gradients(zip(averaged, ref.trainable_variables))
+    for a, b in zip(model.trainable_variables, ref.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+    assert opt.momentum_correction and opt.momentum == 0.0  # the wrapped SGD steps plainly
+    assert opt.get_config()["momentum"] == 0.9 and opt.get_config()["nesterov"] == nesterov
+    velocities = opt.velocity_variables()
+    assert velocities and all(any(u is v for v in opt.variables) for u in velocities.values())
+    assert_identical(model.trainable_variables, f"kmc1.{nesterov}")
+
+
+def test_keras_momentum_correction_sends_velocity_and_masks_it():
+    """The exchange carries m * velocity + grad; the entries a rank sent leave its velocity."""
+    numel, density, momentum = 20_000, 0.02, 0.9
+    k = budget(numel, density)
+    weight = keras.Variable(np.zeros(numel, np.float32), name="w")
+    opt = hvds_keras.DistributedOptimizer(
+        keras.optimizers.SGD(1.0, momentum=momentum), density=density
+    )
+    assert opt.momentum_correction  # the default for a sparse momentum SGD
+    residual, velocity = np.zeros(numel, np.float32), np.zeros(numel, np.float32)
+    masked_total = 0
+    for step in range(5):
+        grad = local_grad(step, numel)
+        update = momentum * velocity + grad.numpy()
+        acc = residual + update
+        everyone = gather_rows(tf.constant(acc), f"kmc.acc.{step}")
+        before = weight.numpy().copy()
+        opt.apply_gradients([(grad, weight)])
+        got = before - weight.numpy()  # lr 1, no momentum left in the wrapped SGD
+        ref = reference_step(everyone, k, uniform_boundaries(numel, hvd.size()))
+        np.testing.assert_array_equal(np.flatnonzero(got), ref.selected)
+        np.testing.assert_allclose(got, ref.result_sum / hvd.size(), rtol=1e-5, atol=1e-5)
+        (residual_variable,) = opt.residual_variables().values()
+        residual = residual_variable.numpy().copy()
+        np.testing.assert_allclose(residual, ref.residuals[hvd.rank()], rtol=1e-5, atol=1e-5)
+        sent = np.argsort(-np.abs(acc), kind="stable")[:k]
+        expected_velocity = update.copy()
+        expected_velocity[sent] = 0
+        (velocity_variable,) = opt.velocity_variables().values()
+        velocity = velocity_variable.numpy().copy()
+        np.testing.assert_allclose(velocity, expected_velocity, rtol=1e-6, atol=1e-6)
+        masked_total += int((velocity == 0).sum())
+    assert masked_total >= 5 * k
+
+
+def test_keras_momentum_correction_resolution():
+    sgd = hvds_keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+    plain = hvds_keras.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    adam = hvds_keras.DistributedOptimizer(keras.optimizers.Adam())
+    dense = hvds_keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), density=1.0)
+    off = hvds_keras.DistributedOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), momentum_correction=False
+    )
+    assert sgd.momentum_correction
+    assert not any(o.momentum_correction for o in (plain, adam, dense, off))
+    assert off.momentum == 0.9 and dense.momentum == 0.9
+    # Asked for where it cannot apply: refused when built, on every rank, before any step.
+    insisted = hvds_keras.DistributedOptimizer(keras.optimizers.Adam(), momentum_correction=True)
+    with pytest.raises(ValueError, match=r"momentum_correction=True needs keras\.optimizers\.SGD"):
+        insisted.build(make_model().trainable_variables)
+
+
 def test_keras_residuals_in_checkpoint(tmp_path_factory):
     model = make_model()
     opt = hvds_keras.DistributedOptimizer(keras.optimizers.Adam(1e-3), density=0.05)

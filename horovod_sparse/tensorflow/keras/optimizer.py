@@ -6,6 +6,15 @@ reduction runs in the optimizer's update step, so it happens once per *update*: 
 ``gradient_accumulation_steps = n`` and reduces the accumulated gradient every n-th
 step. Keras's ``clipnorm`` / ``global_clipnorm`` / ``clipvalue`` apply to the reduced
 gradient, as clipping does with dense Horovod.
+
+Momentum correction (on by default for a sparse ``keras.optimizers.SGD`` with
+momentum): each rank runs the momentum on its own gradient before the exchange
+(``u = m * u + g``), the exchange carries ``u`` and the wrapped SGD steps with its
+momentum off, so lumps released by error feedback are not amplified by momentum a second
+time. Entries a rank sent leave its velocity (DGC's momentum factor masking). At
+density 1 and a constant learning rate this is Keras's momentum SGD up to rounding.
+Clipping then bounds the reduced step direction rather than the reduced gradient; pass
+``momentum_correction=False`` for Horovod's clipping semantics.
 """
 
 from __future__ import annotations
@@ -23,16 +32,6 @@ from horovod_sparse.tensorflow.reducer import GradientReducer, op_name, tf_confi
 from horovod_sparse.tensorflow.validation import check_variables, describe, validate_across_ranks
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
-
-_SPARSE_KEYS = (
-    "density",
-    "min_sparse_numel",
-    "fusion_threshold_bytes",
-    "error_feedback",
-    "sparse_as_dense",
-    "gradient_predivide_factor",
-    "average_aggregated_gradients",
-)
 
 
 class SparseOptimizerMixin:
@@ -62,6 +61,7 @@ class SparseOptimizerMixin:
         groups: Any = None,
         process_set: Any = hvd.global_process_set,
         error_feedback: bool = True,
+        momentum_correction: bool | None = None,
         **kwargs: Any,
     ) -> None:
         # A bad knob is not raised here: it becomes this rank's verdict in the validation
@@ -85,6 +85,14 @@ class SparseOptimizerMixin:
         except (TypeError, ValueError) as error:
             problem = error
         super().__init__(*args, **kwargs)  # Keras wants it before any attribute is set
+        # The SGD momentum the exchange carries (0: no correction), taken out of the
+        # wrapped SGD so it steps plainly by the reduced direction.
+        self._corrected_momentum, self._corrected_nesterov = 0.0, False
+        if problem is None:
+            try:
+                self._take_momentum(momentum_correction, config)
+            except ValueError as error:
+                problem = error
         self._sparse_problem = problem
         self.sparse_config = config
         self._sparse_options = dict(
@@ -110,8 +118,34 @@ class SparseOptimizerMixin:
             sparse_as_dense=sparse_as_dense,
             gradient_predivide_factor=gradient_predivide_factor,
             average_aggregated_gradients=average_aggregated_gradients,
+            momentum_correction=momentum_correction,
         )
         self._gradient_reducer: GradientReducer | None = None
+
+    def _take_momentum(self, requested: bool | None, config: SparseConfig | None) -> None:
+        """Resolve ``momentum_correction``: ``None`` turns it on for a sparse
+        ``keras.optimizers.SGD`` with momentum, ``True`` insists (SGD only), ``False``
+        leaves the wrapped optimizer as it is."""
+        is_sgd = isinstance(self, keras.optimizers.SGD)
+        if requested and not is_sgd:
+            raise ValueError(
+                "momentum_correction=True needs keras.optimizers.SGD (or a subclass), "
+                f"got {type(self).__name__}"
+            )
+        sparse = config is not None and config.density < 1.0
+        if not is_sgd or float(self.momentum) == 0.0 or requested is False:
+            return
+        if requested is None and not sparse:
+            return
+        self._corrected_momentum, self._corrected_nesterov = float(self.momentum), self.nesterov
+        # Keras's SGD reads these in build() and update_step(): with momentum 0 it
+        # creates no slots and applies -lr * gradient.
+        self.momentum, self.nesterov = 0.0, False
+
+    @property
+    def momentum_correction(self) -> bool:
+        """Whether the SGD momentum runs in front of the exchange (see the module)."""
+        return self._corrected_momentum > 0.0
 
     def build(self, variables: list[Any]) -> None:
         """Validate across ranks, then create the slots, the residuals and the reducer.
@@ -148,11 +182,17 @@ class SparseOptimizerMixin:
             # Optimizer variables: saved and restored with the model's checkpoint.
             return self.add_variable((numel,), dtype=dtype.name, name=f"sparse_residual_{name}")
 
+        def make_velocity(numel: int, dtype: tf.DType, name: str) -> Any:
+            return self.add_variable((numel,), dtype=dtype.name, name=f"sparse_velocity_{name}")
+
         self._gradient_reducer = GradientReducer(
             variables,
             self.sparse_config,
             name=f"hvds.keras.{self.name}",
             make_residual=make_residual,
+            momentum=self._corrected_momentum,
+            nesterov=self._corrected_nesterov,
+            make_velocity=make_velocity,
             **self._sparse_options,
         )
 
@@ -188,8 +228,17 @@ class SparseOptimizerMixin:
             raise RuntimeError("the optimizer has not been built yet")
         return self._gradient_reducer.residuals()
 
+    def velocity_variables(self) -> dict[str, Any]:
+        """This rank's momentum-correction velocity per bucket (also part of
+        ``optimizer.variables``); empty unless the correction is on."""
+        if self._gradient_reducer is None:
+            raise RuntimeError("the optimizer has not been built yet")
+        return self._gradient_reducer.velocities()
+
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
+        if self.momentum_correction:  # the user's SGD settings, not the plain SGD stepped
+            config.update(momentum=self._corrected_momentum, nesterov=self._corrected_nesterov)
         config.update(self._sparse_kwargs)
         return config
 
@@ -214,6 +263,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     min_sparse_numel: int = 1024,
     fusion_threshold_bytes: int | None = None,
     error_feedback: bool = True,
+    momentum_correction: bool | None = None,
 ) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so every update uses sparse allreduce.
 
@@ -228,7 +278,11 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     ``HOROVOD_FUSION_THRESHOLD``) and ``error_feedback``: ``True`` keeps the entries not
     sent in a residual that is added to later steps; ``False`` zeroes that residual at the
     end of every step (ablation only: unsent entries are dropped, which loses gradient
-    mass).
+    mass). ``momentum_correction`` (default ``None``: on for ``keras.optimizers.SGD``
+    with momentum when ``density < 1``) runs the momentum on each rank's gradient before
+    the exchange and steps the SGD with its momentum off; the velocity is saved with the
+    optimizer's variables. With a learning-rate schedule it differs from Keras's SGD,
+    whose velocity holds ``lr * g`` terms of past steps, as torch's does.
 
     Invalid keywords (e.g. ``density`` outside (0, 1]) are not raised here: they are
     reported when the optimizer is built (first step, or ``optimizer.build``), on every
@@ -253,6 +307,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
         min_sparse_numel=min_sparse_numel,
         fusion_threshold_bytes=fusion_threshold_bytes,
         error_feedback=error_feedback,
+        momentum_correction=momentum_correction,
         compression=compression,
         sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor,
