@@ -281,8 +281,9 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     mass). ``momentum_correction`` (default ``None``: on for ``keras.optimizers.SGD``
     with momentum when ``density < 1``) runs the momentum on each rank's gradient before
     the exchange and steps the SGD with its momentum off; the velocity is saved with the
-    optimizer's variables. With a learning-rate schedule it differs from Keras's SGD,
-    whose velocity holds ``lr * g`` terms of past steps, as torch's does.
+    optimizer's variables. Its velocity holds gradients, as torch's SGD does, where
+    Keras's holds ``lr * g`` terms: under a learning-rate schedule past steps are scaled
+    by the current rate, not by their own.
 
     Invalid keywords (e.g. ``density`` outside (0, 1]) are not raised here: they are
     reported when the optimizer is built (first step, or ``optimizer.build``), on every
