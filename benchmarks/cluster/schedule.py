@@ -10,6 +10,11 @@ dense Horovod, sparse at the fixed density, sparse with ``overlap_allgather``,
 two ratios per link: overlap / no overlap (sparse), and auto / the better of dense and
 sparse. Writes results/schedule.json and results/schedule.md. The shaped links need root;
 without it only ``loopback`` runs.
+
+With ``--rounds R`` every configuration runs R times, in forward order in even rounds and
+in reverse order in odd ones, so that a slow spell of the shared host does not fall on
+one configuration only; a configuration's figure is the median of the step times pooled
+over its rounds.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +88,7 @@ def main() -> None:
     parser.add_argument("--fusion-mb", type=float, default=20.0)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--iters", type=int, default=5, help="timed iterations of 3 steps")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each configuration")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--out", default=str(ROOT / "results" / "schedule"))
     args = parser.parse_args()
@@ -93,19 +100,37 @@ def main() -> None:
         print("not root: the shaped links need network namespaces; running loopback only")
         links = ["loopback"]
     report = {}
+    configs = args.configs.split(",")
     for link in links:
+        rounds: dict[str, list[dict]] = {config: [] for config in configs}
+        for round_index in range(args.rounds):
+            for config in configs if round_index % 2 == 0 else configs[::-1]:
+                result = out.with_name(f"{out.name}.{link}.{config}.{round_index}.json")
+                cmd = command(args, config, result)
+                if link == "loopback":
+                    run_loopback(args, cmd, env)
+                else:
+                    with Cluster(args.ranks, LinkSpec(PRESETS[link].rate)) as cluster:
+                        if cluster.run(cmd, args.timeout, env) != 0:
+                            raise SystemExit(f"{config} failed on {link}")
+                run = json.loads(result.read_text())
+                rounds[config].append(run)
+                print(
+                    f"{link:8s} {config:15s} round {round_index}: "
+                    f"{run['median_step_s']:.3f} s/step",
+                    flush=True,
+                )
         runs = {}
-        for config in args.configs.split(","):
-            result = out.with_name(f"{out.name}.{link}.{config}.json")
-            cmd = command(args, config, result)
-            if link == "loopback":
-                run_loopback(args, cmd, env)
-            else:
-                with Cluster(args.ranks, LinkSpec(PRESETS[link].rate)) as cluster:
-                    if cluster.run(cmd, args.timeout, env) != 0:
-                        raise SystemExit(f"{config} failed on {link}")
-            runs[config] = json.loads(result.read_text())
-            print(f"{link:8s} {config:15s} {runs[config]['median_step_s']:.3f} s/step", flush=True)
+        for config, done in rounds.items():
+            pooled = [t for run in done for t in run["step_times_s"]]
+            # The first round's run stands for the configuration (trace, trials, bytes);
+            # the step time is the median over every round's timed steps.
+            runs[config] = {
+                **done[0],
+                "median_step_s": statistics.median(pooled),
+                "round_medians_s": [run["median_step_s"] for run in done],
+                "round_trials": [run.get("trials") for run in done],
+            }
         report[link] = runs
         out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     lines = [

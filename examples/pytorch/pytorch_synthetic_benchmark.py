@@ -156,6 +156,7 @@ def main() -> None:
                         "ci95": half_width,
                         "total_samples_per_s": total,
                         "median_step_s": statistics.median(step_times),
+                        "step_times_s": step_times,
                         "bytes_per_step": moved,
                         **extra,
                     },

@@ -25,8 +25,11 @@ measured, the cheaper one is proposed.
 Per-bucket exchange seconds do not see everything either: where ranks share cores, one
 bucket's selection or background copy slows everyone's backward. So a proposal that
 changes any bucket's mode is a trial: it runs for ``first`` steps, and it is kept only
-if the mean time of a whole training step (mean over ranks) beats that of the modes
-before it; otherwise those return. A rejected proposal may be tried again at a later
+if the median time of a whole training step (each step's time averaged over ranks) beats
+that of the modes before it; otherwise those return. The median, not the mean: where
+ranks share cores, single steps stall for several times the usual step (3 s steps with
+7 s and 12 s among them, 4 ranks on 2 cores), and one such stall in a window of five
+would decide a trial by itself. A rejected proposal may be tried again at a later
 decision, every ``every`` steps. Whole steps are counted from step ``first`` on, so the
 first decision comes at step ``2 * first``: the first steps of training run slower
 (allocations, connections, first threshold estimates) and would favour any trial. The
@@ -41,6 +44,7 @@ numbers: the probes and the broadcast run through the framework backend.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,7 +215,7 @@ class BucketChoice:
 
 @dataclass(frozen=True)
 class TrialOutcome:
-    """One trial: the modes before and tried (True: dense, per bucket), the mean step
+    """One trial: the modes before and tried (True: dense, per bucket), the median step
     seconds of each, and whether the tried modes were kept."""
 
     before: tuple[bool, ...]
@@ -261,11 +265,11 @@ class AutoScheduler:
         self.link: LinkModel | None = None
         self.decisions = 0
         self.next_decision = 2 * self.first  # the step at which the next decision is due
-        # Mean seconds of a whole step under the current modes (NaN until measured).
+        # Median seconds of a whole step under the current modes (NaN until measured).
         self.step_seconds = math.nan
         self.trials: list[TrialOutcome] = []  # every trial so far, for the adapter to show
         self._trial_of: tuple[tuple[bool, ...], float] | None = None  # modes, seconds
-        self._steps = _Window()
+        self._step_times: list[float] = []  # this rank's whole steps since the last decision
         self._steps_to_skip = self.first  # whole steps not counted: start of training
 
     def due(self, step: int) -> bool:
@@ -276,27 +280,27 @@ class AutoScheduler:
         if self._steps_to_skip > 0:
             self._steps_to_skip -= 1
             return
-        self._steps.add(seconds)
+        self._step_times.append(seconds)
 
     def restart(self, step: int) -> None:
         """After a restored checkpoint: decide at ``step``, with no trial in progress."""
         self.next_decision = step
         self._trial_of = None
-        self._steps.take()
+        self._step_times = []
         self._steps_to_skip = 1
 
     def decide(self, like: Tensor, step: int | None = None) -> list[bool]:
         """Probe the link, share the measurements, and choose; returns dense flags.
 
         At the end of a trial: keep the tried modes or return to those before, by the
-        mean step time. Otherwise: propose each bucket's mode from its own costs, and
+        median step time. Otherwise: propose each bucket's mode from its own costs, and
         start a trial if that changes any. ``step`` (default: the step this decision
         was due at) sets when the next one is due: after ``first`` steps when a trial
         starts, else after ``every`` steps.
 
         Sends: ``len(PROBE_NUMELS) * PROBE_REPEATS`` allreduces (up to 32 MiB), one
-        allreduce of 6 values per bucket and 2 more, one broadcast of one value per
-        bucket and one more.
+        allreduce of 6 values per bucket and one per whole step since the last decision,
+        one broadcast of one value per bucket and one more.
         """
         ops = self.ops
         world = ops.size(self.process_set)
@@ -313,20 +317,22 @@ class AutoScheduler:
                 )
                 best = min(best, ops.clock() - began)
             samples.append((numel, best))
-        # Means over ranks of what each bucket, and each whole step, measured since the
-        # last decision.
+        # Means over ranks of what each bucket measured since the last decision, and of
+        # each whole step (every rank counts the same steps: they are collective).
         windows = [x for choice in self.choices for x in choice.take_windows()]
-        windows += list(self._steps.take())
+        step_times, self._step_times = self._step_times, []
         summed = ops.to_host_list(
             ops.wait(
                 ops.allreduce_sum_async(
-                    ops.from_host(windows, like), f"{self.name}.measured", self.process_set
+                    ops.from_host(windows + step_times, like),
+                    f"{self.name}.measured",
+                    self.process_set,
                 )
             )
         )
         link = fit_link(samples, world)
-        step_total, step_count = summed[-2:]
-        step_seconds = step_total / step_count if step_count else math.nan
+        summed_steps = summed[len(windows) :]
+        step_seconds = statistics.median(summed_steps) / world if summed_steps else math.nan
         for index, choice in enumerate(self.choices):
             local, n_local, dense_s, n_dense, sparse_s, n_sparse = summed[6 * index : 6 * index + 6]
             if n_local:

@@ -1,6 +1,7 @@
 """The automatic dense/sparse choice: the alpha-beta fit, the predictions, the decision."""
 
 import math
+import statistics
 
 import pytest
 
@@ -155,6 +156,34 @@ def test_a_trial_is_kept_only_if_whole_steps_get_faster(trial_step_s, kept):
     assert outcome.kept == kept
     assert scheduler.step_seconds == pytest.approx(trial_step_s if kept else 2.0)
     assert scheduler.next_decision == 25  # no trial pending: the regular interval
+
+
+@pytest.mark.parametrize(
+    "before, tried, kept",
+    [
+        # One stalled step (a neighbour rank took the core) would make the mean 3.0.
+        ((2.0, 2.0, 2.0, 2.0, 2.0), (1.0, 9.0, 1.0, 1.0), True),
+        # A stall before the trial would make the mean 3.4 and keep a slower trial.
+        ((2.0, 2.0, 9.0, 2.0, 2.0), (2.5, 2.5, 2.5, 2.5), False),
+    ],
+    ids=["stall-in-trial", "stall-before"],
+)
+def test_a_single_stalled_step_does_not_decide_a_trial(before, tried, kept):
+    link = LinkModel(5e-5, 2e-10)  # loopback: the model lets both buckets try dense
+    ops = FakeOps(link, 4)
+    scheduler = AutoScheduler(ops, "s", None, [(4096, 4), (25_000_000, 4)], 0.01, every=10)
+    observe_in_current_modes(scheduler, link)
+    for seconds in (60.0, 60.0, 60.0, 60.0, 60.0, *before):
+        scheduler.observe_step(seconds)
+    assert scheduler.decide(like=None, step=10) == [True, True]
+    observe_in_current_modes(scheduler, link)
+    for seconds in (60.0, *tried):  # the decision's own step is not counted
+        scheduler.observe_step(seconds)
+    assert scheduler.decide(like=None, step=15) == ([True, True] if kept else [False, False])
+    (outcome,) = scheduler.trials
+    assert outcome.seconds_before == pytest.approx(statistics.median(before))
+    assert outcome.seconds_tried == pytest.approx(statistics.median(tried))
+    assert outcome.kept == kept
 
 
 def test_a_bucket_never_measured_keeps_its_mode():
