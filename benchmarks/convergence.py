@@ -10,6 +10,13 @@ run, the curves as PNG, and a markdown table of final accuracy / loss and bytes 
     python benchmarks/convergence.py --report-only         # redraw from the JSON files
     python benchmarks/convergence.py --tasks char_lm --steps 3000 --eval-every 500 \
         --out results/convergence_3000 --plots results/convergence_3000  # longer runs
+    python benchmarks/convergence.py --tasks digits,keras_digits --modes dense,0.01 \
+        --seeds 0,1,2                                      # the digits gap over seeds
+
+With several seeds, every (task, P, mode) runs once per seed (the seed sets the initial
+weights and each rank's data order) and a second table gives each seed's final value,
+their mean, and the mean gap to dense over the seeds both ran. The first table and the
+plots show seed 0.
 """
 
 from __future__ import annotations
@@ -64,10 +71,21 @@ MODES = {
 }
 
 
+def result_path(out: Path, name: str, size: int, mode: str, seed: int) -> Path:
+    """Seed 0 keeps the plain name, so earlier single-seed results still count."""
+    return out / f"{name}_np{size}_{mode}{f'_seed{seed}' if seed else ''}.json"
+
+
 def run_one(
-    task: Task, size: int, mode: str, out: Path, timeout: int, eval_every: int | None = None
+    task: Task,
+    size: int,
+    mode: str,
+    out: Path,
+    timeout: int,
+    eval_every: int | None = None,
+    seed: int = 0,
 ) -> Path:
-    path = out / f"{task.name}_np{size}_{mode}.json"
+    path = result_path(out, task.name, size, mode, seed)
     cmd = [
         "horovodrun",
         "-np",
@@ -81,7 +99,7 @@ def run_one(
         "--steps",
         str(task.steps),
         "--seed",
-        "0",
+        str(seed),
         "--json",
         str(path),
     ]
@@ -92,8 +110,11 @@ def run_one(
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0 or not path.exists():
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-        raise RuntimeError(f"{task.name} np={size} {mode} failed (rc={done.returncode})")
-    print(f"  {task.name} np={size} {mode:10s} {time.perf_counter() - began:6.1f} s", flush=True)
+        raise RuntimeError(
+            f"{task.name} np={size} {mode} seed {seed} failed (rc={done.returncode})"
+        )
+    elapsed = time.perf_counter() - began
+    print(f"  {task.name} np={size} {mode:10s} seed {seed} {elapsed:6.1f} s", flush=True)
     return path
 
 
@@ -128,6 +149,41 @@ def table(results: dict[tuple[str, int, str], dict]) -> str:
             f"{summary['parameter_spread']:.1e} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def seed_table(by_seed: dict[tuple[str, int, str], dict[int, dict]]) -> str:
+    """Each seed's final value, their mean, and the mean gap to dense (over the seeds
+    that ran both); only rows with more than one seed."""
+    lines = [
+        "| task | P | mode | seeds | final metric per seed | mean | mean vs dense |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (name, size, mode), runs in sorted(by_seed.items()):
+        if len(runs) < 2:
+            continue
+        task = TASKS[name]
+        seeds = sorted(runs)
+        values = [final_value(task, runs[seed]) for seed in seeds]
+        mean = sum(values) / len(values)
+        dense = by_seed.get((name, size, "dense"), {})
+        shared = [seed for seed in seeds if seed in dense]
+        if shared:
+            gaps = []
+            for seed in shared:
+                value, reference = final_value(task, runs[seed]), final_value(task, dense[seed])
+                gaps.append(
+                    value - reference if task.higher_is_better else 100 * (value / reference - 1)
+                )
+            unit = " pt" if task.higher_is_better else "%"
+            versus = f"{sum(gaps) / len(gaps):+.2f}{unit} ({len(shared)} seeds)"
+        else:
+            versus = "n/a"
+        lines.append(
+            f"| {name} | {size} | {mode} | {','.join(map(str, seeds))} | "
+            + " / ".join(f"{v:.2f}" for v in values)
+            + f" | {mean:.2f} | {versus} |"
+        )
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
 def plot(results: dict[tuple[str, int, str], dict], plots: Path) -> list[Path]:
@@ -174,6 +230,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     parser.add_argument("--steps", type=int, default=None, help="override every task's steps")
     parser.add_argument("--eval-every", type=int, default=None, help="override the scripts'")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds to run")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
 
@@ -185,19 +242,28 @@ def main() -> None:
         tasks = [dataclasses.replace(task, steps=args.steps) for task in tasks]
     sizes = [int(s) for s in args.sizes.split(",")]
     modes = args.modes.split(",")
+    seeds = [int(s) for s in args.seeds.split(",")]
     if not args.report_only:
-        for task in tasks:
-            for size in sizes:
-                for mode in modes:
-                    run_one(task, size, mode, out, args.timeout, args.eval_every)
-    results = {}
+        for seed in seeds:
+            for task in tasks:
+                for size in sizes:
+                    for mode in modes:
+                        run_one(task, size, mode, out, args.timeout, args.eval_every, seed)
+    # Every result on disk for these tasks and sizes, whichever seeds this call ran.
+    by_seed: dict[tuple[str, int, str], dict[int, dict]] = {}
     for task in tasks:
         for size in sizes:
             for mode in MODES:
-                path = out / f"{task.name}_np{size}_{mode}.json"
-                if path.exists():
-                    results[(task.name, size, mode)] = json.loads(path.read_text())
+                for path in out.glob(f"{task.name}_np{size}_{mode}*.json"):
+                    summary = json.loads(path.read_text())
+                    if path != result_path(out, task.name, size, mode, summary["seed"]):
+                        continue  # "0.01*" also matches "0.01-no-ef"
+                    by_seed.setdefault((task.name, size, mode), {})[summary["seed"]] = summary
+    results = {key: runs[0] for key, runs in by_seed.items() if 0 in runs}
     markdown = table(results)
+    over_seeds = seed_table(by_seed)
+    if over_seeds:
+        markdown += "\nOver seeds (final values at the last evaluation):\n\n" + over_seeds
     (out / "convergence.md").write_text(markdown)
     (plots / "convergence.md").write_text(markdown)
     print(markdown)
