@@ -122,6 +122,11 @@ def final_value(task: Task, summary: dict) -> float:
     return summary["curve"][-1][task.metric]
 
 
+def gap(task: Task, value: float, reference: float) -> float:
+    """``value`` against dense: accuracy points, or percent of the loss."""
+    return value - reference if task.higher_is_better else 100 * (value / reference - 1)
+
+
 def table(results: dict[tuple[str, int, str], dict]) -> str:
     lines = [
         "| task | P | mode | final metric | vs dense | bytes/step | % of dense bytes | "
@@ -135,9 +140,9 @@ def table(results: dict[tuple[str, int, str], dict]) -> str:
         if dense is None:
             versus = "n/a"
         elif task.higher_is_better:
-            versus = f"{value - final_value(task, dense):+.2f} pt"
+            versus = f"{gap(task, value, final_value(task, dense)):+.2f} pt"
         else:
-            versus = f"{100 * (value / final_value(task, dense) - 1):+.1f}%"
+            versus = f"{gap(task, value, final_value(task, dense)):+.1f}%"
         if task.metric == "test_acc":
             shown = f"{value:.2f}% acc"
         else:
@@ -168,12 +173,10 @@ def seed_table(by_seed: dict[tuple[str, int, str], dict[int, dict]]) -> str:
         dense = by_seed.get((name, size, "dense"), {})
         shared = [seed for seed in seeds if seed in dense]
         if shared:
-            gaps = []
-            for seed in shared:
-                value, reference = final_value(task, runs[seed]), final_value(task, dense[seed])
-                gaps.append(
-                    value - reference if task.higher_is_better else 100 * (value / reference - 1)
-                )
+            gaps = [
+                gap(task, final_value(task, runs[seed]), final_value(task, dense[seed]))
+                for seed in shared
+            ]
             unit = " pt" if task.higher_is_better else "%"
             versus = f"{sum(gaps) / len(gaps):+.2f}{unit} ({len(shared)} seeds)"
         else:
