@@ -18,11 +18,11 @@ from horovod_sparse.common.stats import StepStats
 from horovod_sparse.tensorflow.reducer import (
     BACKEND,
     BucketState,
-    _plain_residual,
     make_counts_variable,
     op_name,
     run_bucket,
     tf_config,
+    zeros_variable,
 )
 
 __all__ = ["reset_residuals", "residual_variables", "sparse_allreduce", "stats"]
@@ -38,7 +38,7 @@ def _state_for(
         reducer = BucketReducer(
             BACKEND, f"hvds.tf.{name}", numel, like, config, process_set, compression
         )
-        residual = previous.residual if previous else _plain_residual(numel, dtype, name)
+        residual = previous.residual if previous else zeros_variable("residual", numel, dtype, name)
         return BucketState(reducer, residual, make_counts_variable())
 
     state = _STATES.obtain(name, process_set, numel, config, create)

@@ -110,11 +110,12 @@ class GradientReducer:
         op, gradient_predivide_factor, compression, sparse_as_dense, process_set,
         groups, num_groups: as in ``hvd.DistributedGradientTape``.
         name: prefix of collective names (distinct per reducer, identical on every rank).
-        make_residual: ``(numel, dtype, name) -> variable``; lets the Keras optimizer
-            own the residuals so they are saved with its checkpoint.
-        momentum, nesterov, make_velocity: momentum correction (DGC) for an SGD whose
-            own momentum is off: with ``momentum > 0`` every bucket keeps a per-rank
-            velocity ``u = momentum * u + grad`` (a ``make_velocity`` variable, like the
+        make_variable: ``(kind, numel, dtype, name) -> zero variable``, ``kind`` being
+            ``"residual"`` or ``"velocity"``; lets the Keras optimizer own the residuals
+            and velocities so they are saved with its checkpoint.
+        momentum, nesterov: momentum correction (DGC) for an SGD whose own momentum is
+            off: with ``momentum > 0`` every bucket keeps a per-rank velocity
+            ``u = momentum * u + grad`` (a ``make_variable`` variable, like the
             residual), the exchange carries ``u`` (``grad + momentum * u`` for Nesterov)
             and a sparse bucket zeroes the entries it sent in ``u``. The reduced result
             is then the step direction: the caller applies ``-lr`` times it.
@@ -133,10 +134,9 @@ class GradientReducer:
         groups: Any = None,
         num_groups: int = 0,
         name: str = "hvds.tf",
-        make_residual: Callable[[int, tf.DType, str], Any] | None = None,
+        make_variable: Callable[[str, int, tf.DType, str], Any] | None = None,
         momentum: float = 0.0,
         nesterov: bool = False,
-        make_velocity: Callable[[int, tf.DType, str], Any] | None = None,
     ) -> None:
         if not process_set.included():
             raise ValueError("this rank is not in the process_set")
@@ -145,8 +145,7 @@ class GradientReducer:
         self.prescale, self.postscale = optimizer_scales(
             op_name(op), process_set.size(), float(gradient_predivide_factor)
         )
-        make_residual = make_residual or _plain_residual
-        make_velocity = make_velocity or _plain_velocity
+        make_variable = make_variable or zeros_variable
         self.momentum = float(momentum)
         names = [f"{i}" for i in range(len(variables))]
         for v in variables:
@@ -187,14 +186,16 @@ class GradientReducer:
                 reducer = BucketReducer(
                     BACKEND, stem, bucket.numel, like, config, process_set, compression
                 )
-                residual = make_residual(bucket.numel, dtype, bucket.name)
+                residual = make_variable("residual", bucket.numel, dtype, bucket.name)
             else:
                 reducer = DenseBucketReducer(
                     BACKEND, stem, bucket.numel, like, process_set, compression
                 )
                 residual = None
             velocity = (
-                make_velocity(bucket.numel, dtype, bucket.name) if self.momentum > 0 else None
+                make_variable("velocity", bucket.numel, dtype, bucket.name)
+                if self.momentum > 0
+                else None
             )
             state = BucketState(
                 reducer, residual, make_counts_variable(), velocity, self.momentum, nesterov
@@ -242,14 +243,10 @@ class GradientReducer:
         return {b.name: s.velocity for b, _, s in self.buckets if s.velocity is not None}
 
 
-def _plain_residual(numel: int, dtype: tf.DType, name: str) -> tf.Variable:
+def zeros_variable(kind: str, numel: int, dtype: tf.DType, name: str) -> tf.Variable:
+    """A zero ``kind`` state variable (residual, velocity) outside any ``tf.function``."""
     with tf.init_scope():
-        return tf.Variable(tf.zeros([numel], dtype), trainable=False, name=f"residual_{name}")
-
-
-def _plain_velocity(numel: int, dtype: tf.DType, name: str) -> tf.Variable:
-    with tf.init_scope():
-        return tf.Variable(tf.zeros([numel], dtype), trainable=False, name=f"velocity_{name}")
+        return tf.Variable(tf.zeros([numel], dtype), trainable=False, name=f"{kind}_{name}")
 
 
 def _numel(variable: Any) -> int:

@@ -178,21 +178,17 @@ class SparseOptimizerMixin:
         validate_across_ranks(describe(variables), problem, process_set, "the optimizer")
         super().build(variables)
 
-        def make_residual(numel: int, dtype: tf.DType, name: str) -> Any:
+        def make_variable(kind: str, numel: int, dtype: tf.DType, name: str) -> Any:
             # Optimizer variables: saved and restored with the model's checkpoint.
-            return self.add_variable((numel,), dtype=dtype.name, name=f"sparse_residual_{name}")
-
-        def make_velocity(numel: int, dtype: tf.DType, name: str) -> Any:
-            return self.add_variable((numel,), dtype=dtype.name, name=f"sparse_velocity_{name}")
+            return self.add_variable((numel,), dtype=dtype.name, name=f"sparse_{kind}_{name}")
 
         self._gradient_reducer = GradientReducer(
             variables,
             self.sparse_config,
             name=f"hvds.keras.{self.name}",
-            make_residual=make_residual,
+            make_variable=make_variable,
             momentum=self._corrected_momentum,
             nesterov=self._corrected_nesterov,
-            make_velocity=make_velocity,
             **self._sparse_options,
         )
 
