@@ -4,12 +4,14 @@
 
 For each link (``loopback``: plain ``horovodrun`` on this machine, no shaping; ``1g`` /
 ``10g``: the emulated cluster of ``cluster.py``, one namespace and NIC per rank), runs the
-synthetic benchmark (25.1M-parameter wide MLP, 20 MiB buckets) in five configurations:
-dense Horovod, sparse at the fixed density, sparse with ``overlap_allgather``,
-``scheduler="auto"``, and auto with overlap. Reports the median step time of each and
-two ratios per link: overlap / no overlap (sparse), and auto / the better of dense and
-sparse. Writes results/schedule.json and results/schedule.md. The shaped links need root;
-without it only ``loopback`` runs.
+synthetic benchmark (25.1M-parameter wide MLP, 20 MiB buckets) in six configurations:
+dense Horovod, sparse at the fixed density, sparse with ``overlap_allgather=True``, sparse
+with ``overlap_allgather="auto"``, ``scheduler="auto"``, and auto with ``"auto"`` overlap.
+Reports the median step time of each and four ratios per link: overlap / no overlap and
+``"auto"`` overlap / no overlap (both sparse), and auto, without and with ``"auto"``
+overlap, / the better of dense and sparse. Writes results/schedule.json and results/schedule.md. The
+shaped links need root; without it only ``loopback`` runs. Each rank is pinned to one
+core (``--no-pin``: not).
 
 With ``--rounds R`` every configuration runs R times, in forward order in even rounds and
 in reverse order in odd ones, so that a slow spell of the shared host does not fall on
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -37,9 +40,15 @@ CONFIGS = {
     "dense": ["--density", "1.0"],
     "sparse": [],
     "sparse+overlap": ["--overlap"],
+    "sparse+auto-overlap": ["--overlap-auto"],
     "auto": ["--scheduler", "auto"],
-    "auto+overlap": ["--scheduler", "auto", "--overlap"],
+    "auto+auto-overlap": ["--scheduler", "auto", "--overlap-auto"],
 }
+# Rank r runs on core r * cores // ranks (ranks 0 and 1 on core 0, 2 and 3 on core 1 for
+# 4 ranks on 2 cores). Unpinned, the same sparse run on loopback took 1.62 and 1.66
+# s/step with single steps from 1.06 to 2.55 s; pinned, 0.71 to 1.00 s/step with steps
+# within 10% of their run's median: the ranks no longer migrate between the cores.
+PIN = 'exec taskset -c $(( HOROVOD_RANK * {cores} / HOROVOD_SIZE )) "$@"'
 
 
 def command(args: argparse.Namespace, config: str, result: Path) -> list[str]:
@@ -48,7 +57,9 @@ def command(args: argparse.Namespace, config: str, result: Path) -> list[str]:
         extra += ["--density", str(args.density), "--fusion-mb", str(args.fusion_mb)]
     if config == "sparse+overlap":
         extra += ["--trace", str(result.with_suffix("")) + ".trace.{rank}.json"]
+    pin = ["sh", "-c", PIN.format(cores=os.cpu_count()), "pin"] if args.pin else []
     return [
+        *pin,
         sys.executable,
         str(ROOT / "examples" / "pytorch" / "pytorch_synthetic_benchmark.py"),
         "--model",
@@ -56,7 +67,9 @@ def command(args: argparse.Namespace, config: str, result: Path) -> list[str]:
         "--batch-size",
         str(args.batch_size),
         "--num-warmup-batches",
-        "18",  # the automatic scheduler decides at step 10 and, after a trial, at 15
+        # The automatic scheduler decides at step 10 and, after a trial, at 15; a bucket
+        # trial is followed by an overlap trial that ends at step 20.
+        "24",
         "--num-iters",
         str(args.iters),
         "--json",
@@ -90,6 +103,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5, help="timed iterations of 3 steps")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each configuration")
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--no-pin", dest="pin", action="store_false", help="let the ranks migrate between cores"
+    )
     parser.add_argument("--out", default=str(ROOT / "results" / "schedule"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -116,7 +132,7 @@ def main() -> None:
                 run = json.loads(result.read_text())
                 rounds[config].append(run)
                 print(
-                    f"{link:8s} {config:15s} round {round_index}: "
+                    f"{link:8s} {config:20s} round {round_index}: "
                     f"{run['median_step_s']:.3f} s/step",
                     flush=True,
                 )
@@ -134,21 +150,27 @@ def main() -> None:
         report[link] = runs
         out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     lines = [
-        "| link | dense | sparse | sparse+overlap | auto | auto+overlap | overlap/no overlap "
-        "| auto / best fixed | reduce-scatter hidden |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| link | " + " | ".join(CONFIGS) + " | overlap / no overlap "
+        "| auto-overlap / no overlap | auto / best fixed | auto+auto-overlap / best fixed "
+        "| reduce-scatter hidden |",
+        "|---|" + "---:|" * (len(CONFIGS) + 5),
     ]
     for link, runs in report.items():
         step = {config: run["median_step_s"] for config, run in runs.items()}
-        best = min(step.get("dense", float("inf")), step.get("sparse", float("inf")))
+        best = min(step.get("dense", math.inf), step.get("sparse", math.inf))
         hidden = runs.get("sparse+overlap", {}).get("trace", {}).get("hidden_fraction")
         cells = [f"{step[c]:.3f}" if c in step else "-" for c in CONFIGS]
-        overlap = step.get("sparse+overlap", float("nan")) / step.get("sparse", float("nan"))
-        auto = step.get("auto", float("nan")) / best
+        no_overlap = step.get("sparse", math.nan)
+        ratios = [
+            step.get("sparse+overlap", math.nan) / no_overlap,
+            step.get("sparse+auto-overlap", math.nan) / no_overlap,
+            step.get("auto", math.nan) / best,
+            step.get("auto+auto-overlap", math.nan) / best,
+        ]
         lines.append(
             f"| {link} | "
-            + " | ".join(cells)
-            + f" | {overlap:.3f} | {auto:.3f} | "
+            + " | ".join(cells + [f"{r:.3f}" for r in ratios])
+            + " | "
             + (f"{100 * hidden:.0f}%" if hidden is not None else "-")
             + " |"
         )

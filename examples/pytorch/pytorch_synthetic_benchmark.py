@@ -65,6 +65,9 @@ def main() -> None:
     parser.add_argument("--num-batches-per-iter", type=int, default=3)
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--overlap", action="store_true", help="overlap_allgather=True")
+    parser.add_argument(
+        "--overlap-auto", action="store_true", help='overlap_allgather="auto" (judged by trials)'
+    )
     parser.add_argument("--scheduler", choices=["fixed", "auto"], default="fixed")
     parser.add_argument("--scheduler-steps", type=int, default=100)
     parser.add_argument(
@@ -93,14 +96,14 @@ def main() -> None:
             named_parameters=model.named_parameters(),
             density=args.density,
             fusion_threshold_bytes=None if args.fusion_mb is None else int(args.fusion_mb * 2**20),
-            overlap_allgather=args.overlap,
+            overlap_allgather="auto" if args.overlap_auto else args.overlap,
             model=model,
             scheduler=args.scheduler,
             scheduler_steps=args.scheduler_steps,
             trace=args.trace,
         )
         mode = ("auto" if args.scheduler == "auto" else f"sparse d={args.density}") + (
-            " +overlap" if args.overlap else ""
+            " +overlap" if args.overlap else " +overlap(auto)" if args.overlap_auto else ""
         )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     parameters = sum(p.numel() for p in model.parameters())
@@ -133,6 +136,7 @@ def main() -> None:
         moved = s.bytes_sent + s.bytes_received
         extra["dense_buckets"], extra["sparse_buckets"] = s.dense_buckets, s.sparse_buckets
         extra["schedule"] = {k: v["mode"] for k, v in optimizer.schedule().items()}
+        extra["overlapping"] = optimizer.overlapping
         extra["trials"] = [dataclasses.asdict(t) for t in optimizer.schedule_trials()]
         if args.trace:
             extra["trace"] = optimizer.trace_summary()

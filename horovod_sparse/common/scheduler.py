@@ -36,6 +36,15 @@ first decision comes at step ``2 * first``: the first steps of training run slow
 first step after a decision is not counted either (it carries the probes and any fold
 of the residual).
 
+The same trials can judge the all-gather overlap (``overlap_allgather="auto"``): where
+the overlapped all-gather and the next forward compete for the same cores instead of
+using idle ones, overlap makes steps slower (1.04-1.31x on 4 ranks sharing 2 cores).
+Then the scheduler also owns one more setting, overlap on or off, and tries the other
+one for ``first`` steps at every decision that starts no bucket trial, and right after
+each bucket trial (the better overlap setting may differ once modes have changed). The
+rule is the same: the tried setting is kept only if whole steps get faster. Both
+settings follow the same trajectory; only when the all-gathers are waited for differs.
+
 Every decision probes the link afresh; rank 0's decision is broadcast, so every rank
 exchanges each bucket the same way and decides at the same steps. Both sides only need
 numbers: the probes and the broadcast run through the framework backend.
@@ -69,6 +78,8 @@ PROBE_REPEATS = 3
 # this many times the measured cost of the current mode: the model's error against
 # measured steps on emulated 1 and 10 Gbit/s links reached 149% (benchmarks/scaling.py).
 TRIAL_FACTOR = 2.5
+# What a decision starts, as broadcast from rank 0.
+NO_TRIAL, BUCKET_TRIAL, OVERLAP_TRIAL = 0.0, 1.0, 2.0
 
 
 @dataclass(frozen=True)
@@ -216,13 +227,17 @@ class BucketChoice:
 @dataclass(frozen=True)
 class TrialOutcome:
     """One trial: the modes before and tried (True: dense, per bucket), the median step
-    seconds of each, and whether the tried modes were kept."""
+    seconds of each, and whether the tried modes were kept. ``overlap_before`` and
+    ``overlap_tried``: the all-gather overlap before and during the trial, where the
+    scheduler owns it (else None)."""
 
     before: tuple[bool, ...]
     tried: tuple[bool, ...]
     seconds_before: float
     seconds_tried: float
     kept: bool
+    overlap_before: bool | None = None
+    overlap_tried: bool | None = None
 
 
 class AutoScheduler:
@@ -237,6 +252,10 @@ class AutoScheduler:
         every: steps between decisions (the first one at step ``2 * first``).
         first: the length of a trial window, and of the start of training whose
             whole-step times are not counted.
+        choose_density: propose dense or sparse per bucket (False: every bucket keeps
+            the mode it starts in, and the link is not probed).
+        overlap: the all-gather overlap to start with, which trials then judge; None
+            where the scheduler does not own it.
 
     The adapter reports each bucket's steps (``choices[i].observe``) and each whole
     training step (:meth:`observe_step`), asks :meth:`due` at every step and calls
@@ -252,6 +271,8 @@ class AutoScheduler:
         density: float,
         every: int = 100,
         first: int = 5,
+        choose_density: bool = True,
+        overlap: bool | None = None,
     ) -> None:
         if int(every) < 1:
             raise ValueError(f"scheduler_steps must be >= 1, got {every}")
@@ -261,6 +282,8 @@ class AutoScheduler:
         self.density = float(density)
         self.every = int(every)
         self.first = int(first)
+        self.choose_density = bool(choose_density)
+        self.overlap = overlap
         self.choices = [BucketChoice(n, size) for n, size in buckets]
         self.link: LinkModel | None = None
         self.decisions = 0
@@ -268,7 +291,8 @@ class AutoScheduler:
         # Median seconds of a whole step under the current modes (NaN until measured).
         self.step_seconds = math.nan
         self.trials: list[TrialOutcome] = []  # every trial so far, for the adapter to show
-        self._trial_of: tuple[tuple[bool, ...], float] | None = None  # modes, seconds
+        # The modes and overlap a trial started from, and their median step seconds.
+        self._trial_of: tuple[tuple[bool, ...], bool | None, float] | None = None
         self._step_times: list[float] = []  # this rank's whole steps since the last decision
         self._steps_to_skip = self.first  # whole steps not counted: start of training
 
@@ -292,31 +316,23 @@ class AutoScheduler:
     def decide(self, like: Tensor, step: int | None = None) -> list[bool]:
         """Probe the link, share the measurements, and choose; returns dense flags.
 
-        At the end of a trial: keep the tried modes or return to those before, by the
-        median step time. Otherwise: propose each bucket's mode from its own costs, and
-        start a trial if that changes any. ``step`` (default: the step this decision
-        was due at) sets when the next one is due: after ``first`` steps when a trial
-        starts, else after ``every`` steps.
+        At the end of a trial: keep the tried setting or return to the one before, by
+        the median step time; where the scheduler owns the overlap, a bucket trial is
+        followed at once by a trial of the other overlap setting. Otherwise: propose
+        each bucket's mode from its own costs, and start a trial if that changes any;
+        if none changes, try the other overlap setting (where owned). ``step``
+        (default: the step this decision was due at) sets when the next one is due:
+        after ``first`` steps when a trial starts, else after ``every`` steps.
+        :attr:`overlap` holds the overlap setting chosen.
 
-        Sends: ``len(PROBE_NUMELS) * PROBE_REPEATS`` allreduces (up to 32 MiB), one
-        allreduce of 6 values per bucket and one per whole step since the last decision,
-        one broadcast of one value per bucket and one more.
+        Sends: ``len(PROBE_NUMELS) * PROBE_REPEATS`` allreduces (up to 32 MiB; none
+        without ``choose_density``), one allreduce of 6 values per bucket and one per
+        whole step since the last decision, one broadcast of one value per bucket and
+        two more.
         """
         ops = self.ops
         world = ops.size(self.process_set)
-        samples = []
-        for numel in PROBE_NUMELS:
-            best = math.inf
-            for repeat in range(PROBE_REPEATS):
-                probe = ops.zeros(numel, like)
-                began = ops.clock()
-                ops.wait(
-                    ops.allreduce_sum_async(
-                        probe, f"{self.name}.probe{numel}.{repeat}", self.process_set
-                    )
-                )
-                best = min(best, ops.clock() - began)
-            samples.append((numel, best))
+        link = self._probe_link(like, world) if self.choose_density else self.link
         # Means over ranks of what each bucket measured since the last decision, and of
         # each whole step (every rank counts the same steps: they are collective).
         windows = [x for choice in self.choices for x in choice.take_windows()]
@@ -330,7 +346,6 @@ class AutoScheduler:
                 )
             )
         )
-        link = fit_link(samples, world)
         summed_steps = summed[len(windows) :]
         step_seconds = statistics.median(summed_steps) / world if summed_steps else math.nan
         for index, choice in enumerate(self.choices):
@@ -341,43 +356,85 @@ class AutoScheduler:
                 choice.measured_dense = dense_s / n_dense
             if n_sparse:
                 choice.measured_sparse = sparse_s / n_sparse
-            choice.predicted_dense = dense_seconds(link, choice.numel, choice.itemsize, world)
-            if not math.isnan(choice.local_per_element):
+            if link is not None:
+                choice.predicted_dense = dense_seconds(link, choice.numel, choice.itemsize, world)
+            if link is not None and not math.isnan(choice.local_per_element):
                 k = max(1, math.ceil(self.density * choice.numel))
                 choice.predicted_sparse = sparse_seconds(
                     link, choice.numel, k, world, choice.local_per_element
                 )
         current = tuple(choice.dense for choice in self.choices)
-        start_trial = False
+        modes, overlap, trial = current, self.overlap, NO_TRIAL
         if self._trial_of is not None:
-            # A trial ends: keep the tried modes only if whole steps got faster.
-            before, seconds_before = self._trial_of
+            # A trial ends: keep the tried setting only if whole steps got faster.
+            before, overlap_before, seconds_before = self._trial_of
             kept = math.isnan(seconds_before) or step_seconds < seconds_before
-            self.trials.append(TrialOutcome(before, current, seconds_before, step_seconds, kept))
-            modes = current if kept else before
+            self.trials.append(
+                TrialOutcome(
+                    before, current, seconds_before, step_seconds, kept, overlap_before, overlap
+                )
+            )
+            if not kept:
+                modes, overlap = before, overlap_before
             self.step_seconds = step_seconds if kept else seconds_before
+            if overlap is not None and before != current:
+                # The other overlap setting may pay under the modes now chosen.
+                overlap, trial = not overlap, OVERLAP_TRIAL
         else:
             if not math.isnan(step_seconds):
                 self.step_seconds = step_seconds
-            modes = tuple(choice.proposal() for choice in self.choices)
-            start_trial = modes != current
-        # Rank 0's modes, and whether they start a trial (which sets the next decision's
-        # step), for everyone: float rounding can never split the ranks.
-        *flags, start_trial = ops.to_host_list(
+            if self.choose_density:
+                modes = tuple(choice.proposal() for choice in self.choices)
+            if modes != current:
+                trial = BUCKET_TRIAL
+            elif overlap is not None:
+                overlap, trial = not overlap, OVERLAP_TRIAL
+        # Rank 0's modes, overlap, and trial kind (which sets the next decision's step)
+        # for everyone: float rounding can never split the ranks.
+        *flags, overlap_flag, trial = ops.to_host_list(
             ops.broadcast(
-                ops.from_host([float(d) for d in modes] + [float(start_trial)], like),
+                ops.from_host([float(d) for d in modes] + [float(bool(overlap)), trial], like),
                 0,
                 f"{self.name}.choice",
                 self.process_set,
             )
         )
-        # A trial is judged against the window just measured under the current modes.
-        self._trial_of = (current, step_seconds) if start_trial else None
+        flags = [bool(flag) for flag in flags]
+        overlap = bool(overlap_flag) if self.overlap is not None else None
+        # A trial is judged against the last window measured under the setting it
+        # leaves: the modes before a bucket trial, the other overlap setting for an
+        # overlap trial.
+        if trial == BUCKET_TRIAL:
+            self._trial_of = (current, overlap, self.step_seconds)
+        elif trial == OVERLAP_TRIAL:
+            self._trial_of = (tuple(flags), not overlap, self.step_seconds)
+        else:
+            self._trial_of = None
+        self.overlap = overlap
         for choice, flag in zip(self.choices, flags):
-            choice.switch(bool(flag))
+            choice.switch(flag)
         self._steps_to_skip = 1  # the next step carries this decision's probes
         self.link = link
         self.decisions += 1
         now = self.next_decision if step is None else step
-        self.next_decision = now + (self.first if start_trial else self.every)
+        self.next_decision = now + (self.first if trial != NO_TRIAL else self.every)
         return [choice.dense for choice in self.choices]
+
+    def _probe_link(self, like: Tensor, world: int) -> LinkModel:
+        """Alpha and beta of the process set's link, from timed allreduces (the fastest
+        of ``PROBE_REPEATS`` per size)."""
+        ops = self.ops
+        samples = []
+        for numel in PROBE_NUMELS:
+            best = math.inf
+            for repeat in range(PROBE_REPEATS):
+                probe = ops.zeros(numel, like)
+                began = ops.clock()
+                ops.wait(
+                    ops.allreduce_sum_async(
+                        probe, f"{self.name}.probe{numel}.{repeat}", self.process_set
+                    )
+                )
+                best = min(best, ops.clock() - began)
+            samples.append((numel, best))
+        return fit_link(samples, world)

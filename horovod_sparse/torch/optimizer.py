@@ -42,6 +42,7 @@ __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
 
 _STATE_KEY = "horovod_sparse"
 SCHEDULERS = ("fixed", "auto")
+OVERLAP_SETTINGS = (False, True, "auto")
 
 
 @dataclass
@@ -91,7 +92,7 @@ class SparseOptimizerMixin:
         error_feedback: bool = True,
         momentum_correction: bool | None = None,
         model: torch.nn.Module | None = None,
-        overlap_allgather: bool = False,
+        overlap_allgather: bool | str = False,
         trace: str | None = None,
         scheduler: str = "fixed",
         scheduler_steps: int = 100,
@@ -143,7 +144,7 @@ class SparseOptimizerMixin:
         process_set: Any,
         momentum_correction: bool | None,
         model: torch.nn.Module | None,
-        overlap_allgather: bool,
+        overlap_allgather: bool | str,
         trace: str | None,
         scheduler: str,
         scheduler_steps: int,
@@ -173,10 +174,16 @@ class SparseOptimizerMixin:
                 raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
             if int(scheduler_steps) < 1:
                 raise ValueError(f"scheduler_steps must be >= 1, got {scheduler_steps}")
+            if not (isinstance(overlap_allgather, bool) or overlap_allgather == "auto"):
+                raise ValueError(
+                    f"overlap_allgather must be one of {OVERLAP_SETTINGS}, "
+                    f"got {overlap_allgather!r}"
+                )
             if overlap_allgather and not isinstance(model, torch.nn.Module):
                 raise TypeError(
-                    "overlap_allgather=True needs model=<the torch.nn.Module being trained>: "
-                    "its forward pre-hooks apply each bucket's update just before use"
+                    f"overlap_allgather={overlap_allgather!r} needs model=<the torch.nn.Module "
+                    "being trained>: its forward pre-hooks apply each bucket's update just "
+                    "before use"
                 )
         except (TypeError, ValueError) as error:
             problem = error
@@ -239,7 +246,8 @@ class SparseOptimizerMixin:
             self._deferred = DeferredUpdates(self, model, self._slot_of, self._apply_bucket)
         self._scheduler: AutoScheduler | None = None
         self._step_began: float | None = None  # host time the current step's backward began
-        if scheduler == "auto" and self._sparse_slots():
+        judge_overlap = overlap_allgather == "auto"
+        if (scheduler == "auto" or judge_overlap) and self._sparse_slots():
             self._scheduler = AutoScheduler(
                 BACKEND,
                 "hvds.opt.schedule",
@@ -247,6 +255,9 @@ class SparseOptimizerMixin:
                 [(s.bucket.numel, s.flat.element_size()) for s in self._sparse_slots()],
                 config.density,
                 every=scheduler_steps,
+                choose_density=scheduler == "auto",
+                # Starts overlapped; trials then judge it against waiting in step().
+                overlap=True if judge_overlap else None,
             )
         self._trace: Trace | None = Trace(trace, process_set.rank()) if trace is not None else None
         self._begin_step()
@@ -539,10 +550,13 @@ class SparseOptimizerMixin:
     def schedule(self) -> dict[str, dict[str, Any]]:
         """Per sparse bucket: the exchange the scheduler chose and its predictions.
 
-        ``{"mode": "dense" | "sparse", "predicted_dense_s", "predicted_sparse_s",
-        "local_s_per_element", "measured_dense_s", "measured_sparse_s"}`` (seconds per
-        step; see :mod:`horovod_sparse.common.scheduler`). Before the first decision, or
-        with ``scheduler="fixed"``, the mode is "sparse" and the figures are NaN.
+        ``{"mode": "dense" | "sparse", "overlap": bool, "predicted_dense_s",
+        "predicted_sparse_s", "local_s_per_element", "measured_dense_s",
+        "measured_sparse_s"}`` (seconds per step; see
+        :mod:`horovod_sparse.common.scheduler`). Before the first decision, or with
+        ``scheduler="fixed"``, the mode is "sparse" and the figures are NaN. ``overlap``:
+        whether the bucket's all-gather is left to the next forward pass (see
+        :attr:`overlapping`).
         """
         out = {}
         choices = self._scheduler.choices if self._scheduler is not None else []
@@ -550,6 +564,7 @@ class SparseOptimizerMixin:
             choice = choices[index] if choices else None
             out[slot.bucket.name] = {
                 "mode": "dense" if slot.reducer.force_dense else "sparse",
+                "overlap": self.overlapping,
                 "predicted_dense_s": choice.predicted_dense if choice else float("nan"),
                 "predicted_sparse_s": choice.predicted_sparse if choice else float("nan"),
                 "local_s_per_element": choice.local_per_element if choice else float("nan"),
@@ -560,8 +575,10 @@ class SparseOptimizerMixin:
 
     def schedule_trials(self) -> list[TrialOutcome]:
         """Every trial of the automatic scheduler so far: the modes before and tried
-        (True: dense, per sparse bucket), the mean step seconds of each, and whether the
-        tried modes were kept. Empty with ``scheduler="fixed"``."""
+        (True: dense, per sparse bucket), the overlap before and tried (with
+        ``overlap_allgather="auto"``), the median step seconds of each, and whether the
+        tried setting was kept. Empty with ``scheduler="fixed"`` and no ``"auto"``
+        overlap."""
         return list(self._scheduler.trials) if self._scheduler is not None else []
 
     def _end_step(self) -> None:
@@ -601,8 +618,20 @@ class SparseOptimizerMixin:
             raise ValueError("step(closure) is not supported with overlap_allgather=True")
         self._deferred.apply_all()  # a step() with no forward since the last one
         self._deferred.defer(self._launch_gathers())
+        if not self.overlapping:
+            # overlap_allgather="auto" judged overlap slower: wait for the all-gathers
+            # now, with the same per-bucket updates (the same trajectory).
+            self._deferred.apply_all()
         self._end_step()
         return None
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether ``step()`` leaves the all-gathers to the next forward pass: always
+        with ``overlap_allgather=True``, as the scheduler last chose with ``"auto"``."""
+        if self._deferred is None:
+            return False
+        return self._scheduler is None or self._scheduler.overlap is not False
 
     def _apply_bucket(self, slot: _BucketSlot, stage: GatherInFlight) -> None:
         """Wait for ``slot``'s all-gather and step the wrapped optimizer over its parameters.
@@ -861,7 +890,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     error_feedback: bool = True,
     momentum_correction: bool | None = None,
     model: torch.nn.Module | None = None,
-    overlap_allgather: bool = False,
+    overlap_allgather: bool | str = False,
     trace: str | None = None,
     scheduler: str = "fixed",
     scheduler_steps: int = 100,
@@ -876,9 +905,13 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
         fusion_threshold_bytes: bucket size; default ``HOROVOD_FUSION_THRESHOLD`` or 128 MiB.
         selection, partition, warmup_steps, density_decay_steps, reestimate_steps,
         repartition_steps: see :class:`~horovod_sparse.common.config.SparseConfig`.
-        overlap_allgather: defer each bucket's all-gather and update to a forward
-            pre-hook of the next iteration (needs ``model``; see
-            :mod:`horovod_sparse.torch.overlap`). Refuses ``synchronize()`` (clipping).
+        overlap_allgather: ``True``: defer each bucket's all-gather and update to a
+            forward pre-hook of the next iteration (needs ``model``; see
+            :mod:`horovod_sparse.torch.overlap`). ``"auto"``: the same, but trials of
+            whole-step time (as with ``scheduler="auto"``, every ``scheduler_steps``)
+            turn it off while waiting for the all-gathers in ``step()`` is faster;
+            :attr:`overlapping` says which is in force. Both refuse
+            ``synchronize()`` (clipping).
         model: the module being trained, for ``overlap_allgather``.
         trace: write a Chrome trace of the exchange to this path (``{rank}`` is
             replaced) with :meth:`write_trace`; :meth:`trace_summary` says how much

@@ -190,3 +190,39 @@ def test_trace_reports_hidden_reduce_scatter(tmp_path):
     names = {event["name"] for event in trace["traceEvents"] if event["ph"] == "X"}
     assert {"backward", "reduce-scatter", "all-gather", "allreduce"} <= names
     assert trace["otherData"]["reduce_scatters"] == 18
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam"])
+def test_auto_overlap_switches_without_changing_the_trajectory(name):
+    plain_model, plain_opt = build(OPTIMIZERS[name], overlap=False)
+    model, opt = build(OPTIMIZERS[name], overlap="auto", scheduler_steps=3)
+    assert opt.overlapping  # starts overlapped
+    plain_losses = train(plain_model, plain_opt, 30)
+    losses = train(model, opt, 30)
+    assert losses == pytest.approx(plain_losses, rel=1e-6, abs=1e-7)
+    trials = opt.schedule_trials()
+    # Decisions at steps 10, 15, 18, 23, 26: the first trial ran with overlap off,
+    # whatever the timings; density stays fixed (every bucket sparse throughout).
+    assert len(trials) >= 2
+    assert (trials[0].overlap_before, trials[0].overlap_tried) == (True, False)
+    assert all(t.before == t.tried == (False, False, False) for t in trials)
+    outcomes = [(t.overlap_before, t.overlap_tried, t.kept) for t in trials]
+    gathered = hvd.allgather_object(outcomes, name="auto_overlap.trials")
+    assert all(g == outcomes for g in gathered)
+    assert all(entry["overlap"] == opt.overlapping for entry in opt.schedule().values())
+    state = model.state_dict()  # applies what is pending, if the last step overlapped
+    assert not opt._deferred.pending
+    for key, value in plain_model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7)
+    assert spread(model) == 0.0
+
+
+def test_bad_overlap_setting_is_refused_on_every_rank():
+    model = mlp()
+    with pytest.raises(ValueError, match="overlap_allgather must be one of"):
+        hvds.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model.named_parameters(),
+            overlap_allgather="sometimes",
+            model=model,
+        )

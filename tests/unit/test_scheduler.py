@@ -232,3 +232,86 @@ def test_measured_bucket_times_overrule_the_model():
     choice.observe(False, 5.0, 2.5e-9 * choice.numel)
     assert scheduler.decide(like=None, step=scheduler.next_decision) == [False]
     assert len(scheduler.trials) == 1
+
+
+@pytest.mark.parametrize("off_step_s, kept", [(1.5, True), (2.5, False)])
+def test_overlap_alone_is_judged_by_whole_steps(off_step_s, kept):
+    ops = FakeOps(LinkModel(5e-5, 2e-10), 4)
+    scheduler = AutoScheduler(
+        ops, "s", None, [(25_000_000, 4)], 0.01, every=10, choose_density=False, overlap=True
+    )
+    observe_in_current_modes(scheduler, LinkModel(5e-5, 2e-10))
+    for seconds in (60.0, 60.0, 60.0, 60.0, 60.0, 2.0, 2.0, 2.0, 2.0, 2.0):
+        scheduler.observe_step(seconds)
+    # Buckets keep their mode; the other overlap setting is tried for `first` steps.
+    assert scheduler.decide(like=None, step=10) == [False]
+    assert scheduler.overlap is False
+    # No density choice: no probes (only the measurements, far below one 1M-value probe).
+    assert scheduler.link is None and ops.now < ring_time(ops.link, 1 << 20, 4)
+    assert scheduler.next_decision == 15
+    for seconds in (60.0, *[off_step_s] * 4):
+        scheduler.observe_step(seconds)
+    assert scheduler.decide(like=None, step=15) == [False]
+    assert scheduler.overlap is (not kept)
+    (outcome,) = scheduler.trials
+    assert outcome.before == outcome.tried == (False,)
+    assert (outcome.overlap_before, outcome.overlap_tried) == (True, False)
+    assert outcome.seconds_before == pytest.approx(2.0)
+    assert outcome.seconds_tried == pytest.approx(off_step_s)
+    assert outcome.kept == kept
+    assert scheduler.next_decision == 25
+    # The next regular decision tries the other setting again: conditions may change.
+    scheduler.observe_step(60.0)
+    scheduler.observe_step(off_step_s if kept else 2.0)
+    scheduler.decide(like=None, step=25)
+    assert scheduler.overlap is kept and scheduler.next_decision == 30
+
+
+def test_a_bucket_trial_is_followed_by_an_overlap_trial():
+    link = LinkModel(5e-5, 2e-10)  # loopback: the model lets both buckets try dense
+    ops = FakeOps(link, 4)
+    scheduler = AutoScheduler(
+        ops, "s", None, [(4096, 4), (25_000_000, 4)], 0.01, every=10, overlap=True
+    )
+    observe_in_current_modes(scheduler, link)
+    for seconds in (60.0, 60.0, 60.0, 60.0, 60.0, 2.0, 2.0, 2.0, 2.0, 2.0):
+        scheduler.observe_step(seconds)
+    # The bucket proposal goes first, with the overlap unchanged.
+    assert scheduler.decide(like=None, step=10) == [True, True]
+    assert scheduler.overlap is True
+    observe_in_current_modes(scheduler, link)
+    for seconds in (60.0, 1.0, 1.0, 1.0, 1.0):
+        scheduler.observe_step(seconds)
+    # Dense is kept, and overlap off is tried at once under the new modes.
+    assert scheduler.decide(like=None, step=15) == [True, True]
+    assert scheduler.overlap is False
+    assert scheduler.next_decision == 20
+    observe_in_current_modes(scheduler, link)
+    for seconds in (60.0, 1.2, 1.2, 1.2, 1.2):
+        scheduler.observe_step(seconds)
+    assert scheduler.decide(like=None, step=20) == [True, True]
+    assert scheduler.overlap is True  # overlap off was slower: back on
+    bucket_trial, overlap_trial = scheduler.trials
+    assert bucket_trial.tried == (True, True) and bucket_trial.kept
+    assert (bucket_trial.overlap_before, bucket_trial.overlap_tried) == (True, True)
+    assert overlap_trial.before == overlap_trial.tried == (True, True)
+    assert (overlap_trial.overlap_before, overlap_trial.overlap_tried) == (True, False)
+    assert overlap_trial.seconds_before == pytest.approx(1.0)
+    assert not overlap_trial.kept
+    assert scheduler.step_seconds == pytest.approx(1.0)
+    assert scheduler.next_decision == 30
+
+
+def test_without_overlap_ownership_trials_leave_it_alone():
+    link = LinkModel(5e-5, 2e-10)
+    scheduler = AutoScheduler(FakeOps(link, 4), "s", None, [(25_000_000, 4)], 0.01, every=10)
+    observe_in_current_modes(scheduler, link)
+    for seconds in (60.0, 60.0, 60.0, 60.0, 60.0, 2.0):
+        scheduler.observe_step(seconds)
+    scheduler.decide(like=None, step=10)
+    observe_in_current_modes(scheduler, link)
+    scheduler.observe_step(60.0)
+    scheduler.observe_step(1.0)
+    scheduler.decide(like=None, step=15)
+    assert scheduler.overlap is None
+    assert scheduler.trials[0].overlap_before is None and scheduler.next_decision == 25
