@@ -13,6 +13,10 @@ returns. Each bucket's update is applied later, just before its parameters are u
   ``optimizer.state_dict()``, ``model.state_dict()`` and ``optimizer.flush()``, so no
   update is lost at the end of training and checkpoints hold every step.
 
+With ``overlap_allgather="auto"`` the optimizer's scheduler may switch the overlap
+off for a while; ``step()`` then applies every pending update at once, through the
+same per-bucket path, so the trajectory is the same either way.
+
 Stepping a subset of parameters relies on the wrapped optimizer treating parameters
 independently (per-parameter state, as SGD, Adam, AdamW, RMSprop, Adagrad do).
 Sends nothing itself: it only waits for the all-gathers the reducers launched.
