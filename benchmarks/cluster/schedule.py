@@ -46,8 +46,8 @@ CONFIGS = {
 }
 # Rank r runs on core r * cores // ranks (ranks 0 and 1 on core 0, 2 and 3 on core 1 for
 # 4 ranks on 2 cores). Unpinned, the same sparse run on loopback took 1.62 and 1.66
-# s/step with single steps from 1.06 to 2.55 s; pinned, 0.71 to 1.00 s/step with steps
-# within 10% of their run's median: the ranks no longer migrate between the cores.
+# s/step, single iterations up to 57% off the run's median; pinned, 0.71 to 1.00 s/step,
+# iterations at most 7-21% off: the ranks no longer migrate between the cores.
 PIN = 'exec taskset -c $(( HOROVOD_RANK * {cores} / HOROVOD_SIZE )) "$@"'
 
 
