@@ -38,12 +38,14 @@ of the residual).
 
 The same trials can judge the all-gather overlap (``overlap_allgather="auto"``): where
 the overlapped all-gather and the next forward compete for the same cores instead of
-using idle ones, overlap makes steps slower (1.04-1.31x on 4 ranks sharing 2 cores).
-Then the scheduler also owns one more setting, overlap on or off, and tries the other
-one for ``first`` steps at every decision that starts no bucket trial, and right after
-each bucket trial (the better overlap setting may differ once modes have changed). The
-rule is the same: the tried setting is kept only if whole steps get faster. Both
-settings follow the same trajectory; only when the all-gathers are waited for differs.
+using idle ones, overlap can make steps slower. On 4 ranks sharing 2 cores it took
+0.69-1.31x the step without overlap with the ranks free to migrate between cores, and
+0.86-0.95x with each rank pinned to one core. Then the scheduler also owns one more
+setting, overlap on or off, and tries the other one for ``first`` steps at every
+decision that starts no bucket trial, and right after each bucket trial (the better
+overlap setting may differ once modes have changed). The rule is the same: the tried
+setting is kept only if whole steps get faster. Both settings follow the same
+trajectory; only when the all-gathers are waited for differs.
 
 Every decision probes the link afresh; rank 0's decision is broadcast, so every rank
 exchanges each bucket the same way and decides at the same steps. Both sides only need

@@ -628,7 +628,8 @@ class SparseOptimizerMixin:
     @property
     def overlapping(self) -> bool:
         """Whether ``step()`` leaves the all-gathers to the next forward pass: always
-        with ``overlap_allgather=True``, as the scheduler last chose with ``"auto"``."""
+        with ``overlap_allgather=True``, as the scheduler last chose with ``"auto"``
+        (always, too, when no bucket is sparse: there is then no scheduler)."""
         if self._deferred is None:
             return False
         return self._scheduler is None or self._scheduler.overlap is not False
