@@ -9,9 +9,9 @@ dense Horovod, sparse at the fixed density, sparse with ``overlap_allgather=True
 with ``overlap_allgather="auto"``, ``scheduler="auto"``, and auto with ``"auto"`` overlap.
 Reports the median step time of each and four ratios per link: overlap / no overlap and
 ``"auto"`` overlap / no overlap (both sparse), and auto, without and with ``"auto"``
-overlap, / the better of dense and sparse. Writes results/schedule.json and results/schedule.md. The
-shaped links need root; without it only ``loopback`` runs. Each rank is pinned to one
-core (``--no-pin``: not).
+overlap, / the better of dense and sparse. Writes results/schedule.json and
+results/schedule.md. The shaped links need root; without it only ``loopback`` runs.
+Each rank is pinned to one core (``--no-pin``: not).
 
 With ``--rounds R`` every configuration runs R times, in forward order in even rounds and
 in reverse order in odd ones, so that a slow spell of the shared host does not fall on

@@ -358,9 +358,10 @@ class AutoScheduler:
                 choice.measured_dense = dense_s / n_dense
             if n_sparse:
                 choice.measured_sparse = sparse_s / n_sparse
-            if link is not None:
-                choice.predicted_dense = dense_seconds(link, choice.numel, choice.itemsize, world)
-            if link is not None and not math.isnan(choice.local_per_element):
+            if link is None:
+                continue  # no density choice: nothing to predict
+            choice.predicted_dense = dense_seconds(link, choice.numel, choice.itemsize, world)
+            if not math.isnan(choice.local_per_element):
                 k = max(1, math.ceil(self.density * choice.numel))
                 choice.predicted_sparse = sparse_seconds(
                     link, choice.numel, k, world, choice.local_per_element

@@ -152,13 +152,23 @@ def test_clipping_is_refused_with_a_clear_error():
     assert spread(model) == 0.0
 
 
-def test_overlap_without_model_is_refused_on_every_rank():
+@pytest.mark.parametrize(
+    "setting, with_model, error, match",
+    [
+        (True, False, TypeError, "model="),
+        ("auto", False, TypeError, "model="),
+        ("sometimes", True, ValueError, "overlap_allgather must be one of"),
+    ],
+    ids=["true-without-model", "auto-without-model", "bad-setting"],
+)
+def test_bad_overlap_options_are_refused_on_every_rank(setting, with_model, error, match):
     model = mlp()
-    with pytest.raises(TypeError, match="model="):
+    with pytest.raises(error, match=match):
         hvds.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1),
             model.named_parameters(),
-            overlap_allgather=True,
+            overlap_allgather=setting,
+            model=model if with_model else None,
         )
 
 
@@ -215,14 +225,3 @@ def test_auto_overlap_switches_without_changing_the_trajectory(name):
     for key, value in plain_model.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7)
     assert spread(model) == 0.0
-
-
-def test_bad_overlap_setting_is_refused_on_every_rank():
-    model = mlp()
-    with pytest.raises(ValueError, match="overlap_allgather must be one of"):
-        hvds.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            model.named_parameters(),
-            overlap_allgather="sometimes",
-            model=model,
-        )
