@@ -137,6 +137,7 @@ def main() -> None:
         extra["dense_buckets"], extra["sparse_buckets"] = s.dense_buckets, s.sparse_buckets
         extra["schedule"] = {k: v["mode"] for k, v in optimizer.schedule().items()}
         extra["overlapping"] = optimizer.overlapping
+        extra["fused_dense_runs"] = optimizer.fused_dense_runs
         extra["trials"] = [dataclasses.asdict(t) for t in optimizer.schedule_trials()]
         if args.trace:
             extra["trace"] = optimizer.trace_summary()

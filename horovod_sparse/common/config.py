@@ -58,6 +58,11 @@ class SparseConfig:
         warmup_steps: first steps exchanged densely (residuals folded in).
         density_decay_steps: after warm-up, steps over which the density decays
             geometrically from 1 to ``density`` (as in DGC); 0 jumps straight to it.
+        dense_fusion_bytes: on a step where adjacent buckets are all dense (a
+            scheduler's choice, warm-up, density 1), they are reduced as one allreduce of
+            at most this many bytes (:mod:`~horovod_sparse.common.fusion`; PyTorch only).
+            ``None`` follows ``HOROVOD_FUSION_THRESHOLD`` (Horovod's dense fusion, 128 MiB
+            by default); 0 reduces each bucket alone.
         error_feedback: keep unsent entries in the residual for later steps. ``False``
             drops them at the end of every step; it exists for ablation studies and
             loses gradient mass by design.
@@ -72,6 +77,7 @@ class SparseConfig:
     repartition_steps: int = 50
     warmup_steps: int = 0
     density_decay_steps: int = 0
+    dense_fusion_bytes: int | None = None
     error_feedback: bool = True
 
     def __post_init__(self) -> None:
@@ -99,15 +105,21 @@ class SparseConfig:
         for knob in ("warmup_steps", "density_decay_steps"):
             if int(getattr(self, knob)) < 0:
                 raise ValueError(f"{knob} must be >= 0, got {getattr(self, knob)}")
-        if self.fusion_threshold_bytes is not None and int(self.fusion_threshold_bytes) < 0:
-            raise ValueError(
-                f"fusion_threshold_bytes must be >= 0, got {self.fusion_threshold_bytes}"
-            )
+        for knob in ("fusion_threshold_bytes", "dense_fusion_bytes"):
+            value = getattr(self, knob)
+            if value is not None and int(value) < 0:
+                raise ValueError(f"{knob} must be >= 0, got {value}")
 
     @property
     def bucket_bytes(self) -> int:
         """Bucket capacity in bytes after the environment default is applied."""
         return fusion_threshold_bytes(self.fusion_threshold_bytes)
+
+    @property
+    def dense_fusion_cap(self) -> int:
+        """Largest run of dense buckets reduced as one allreduce, in bytes (see
+        ``dense_fusion_bytes``); 1 when fusion is off, which no bucket fits."""
+        return fusion_threshold_bytes(self.dense_fusion_bytes)
 
     def budget(self, numel: int) -> int:
         """k for a bucket of ``numel`` elements at the target density."""

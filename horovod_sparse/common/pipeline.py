@@ -23,6 +23,7 @@ from horovod_sparse.common.exchange import (
     spar_all_gather_start,
     spar_reduce_scatter_start,
 )
+from horovod_sparse.common.fusion import FusedPart
 from horovod_sparse.common.global_selection import global_threshold_key, histogram_bytes
 from horovod_sparse.common.partition import make_partitioner
 from horovod_sparse.common.reduction import owner_reduce
@@ -233,17 +234,34 @@ class BucketReducer:
         else:
             handle = ops.allreduce_sum_async(wire, name, self.process_set)
         self._dense_lost = lost
-        self._accounting = {
+        self._accounting = self._dense_accounting(ops.itemsize(wire), ops.clock() - began)
+        return GatherInFlight(handle, 0, wire, ctx)
+
+    def start_fused(self, part: FusedPart) -> GatherInFlight:
+        """A dense step while :attr:`dense_in_buffer` whose allreduce is shared with
+        adjacent buckets (:mod:`horovod_sparse.common.fusion`): the adapter launched it
+        over ``part.buffer`` and its neighbours, already prescaled. Launches nothing.
+
+        Sends: its share of the run's ring allreduce (n values). Keeps: nothing.
+        """
+        self.k = self.numel
+        self.step += 1
+        self._dense_from_residual = False
+        self._dense_lost = None
+        self._accounting = self._dense_accounting(self.ops.itemsize(part.buffer), 0.0)
+        return GatherInFlight(part, 0, part.buffer, None)
+
+    def _dense_accounting(self, wire_itemsize: int, exchange_s: float) -> dict[str, Any]:
+        return {
             "dense": 1,
-            "extra_bytes": allreduce_ring_bytes(self.numel, self.world_size, ops.itemsize(wire))[0],
+            "extra_bytes": allreduce_ring_bytes(self.numel, self.world_size, wire_itemsize)[0],
             "select": 0.0,
-            "exchange": ops.clock() - began,
+            "exchange": exchange_s,
             "send_splits": [0] * self.world_size,
             "recv_splits": [0] * self.world_size,
             "row_bytes": 0,
             "gather_row_bytes": 0,
         }
-        return GatherInFlight(handle, 0, wire, ctx)
 
     # ---------------------------------------------------------------- stage 2
     def reduce_and_gather(self, inflight: ScatterInFlight | GatherInFlight) -> GatherInFlight:
@@ -305,9 +323,13 @@ class BucketReducer:
         written into ``out`` when given (saves allocating n elements every step).
         """
         ops, acc = self.ops, self._accounting
-        began = ops.clock()
-        rows = ops.wait(inflight.handle)
-        acc["exchange"] = acc["exchange"] + (ops.clock(rows) - began)
+        if isinstance(inflight.handle, FusedPart):
+            rows, waited = inflight.handle.wait(ops)
+        else:
+            began = ops.clock()
+            rows = ops.wait(inflight.handle)
+            waited = ops.clock(rows) - began
+        acc["exchange"] = acc["exchange"] + waited
         if acc["dense"]:
             summed = ops.decompress(rows, inflight.compression_ctx)
             acc["gather_total"] = acc["gather_own"] = acc["gather_next"] = self.numel

@@ -24,6 +24,7 @@ import torch
 from horovod_sparse.common.buckets import Bucket, plan_buckets
 from horovod_sparse.common.classes import combined_class
 from horovod_sparse.common.config import SparseConfig, optimizer_scales
+from horovod_sparse.common.fusion import DenseFusion, FusedPart, FusionMember
 from horovod_sparse.common.pipeline import (
     BucketReducer,
     DenseBucketReducer,
@@ -57,6 +58,7 @@ class _BucketSlot:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     waiting: int = 0  # members whose gradient has not arrived this step
     stage: ScatterInFlight | GatherInFlight | None = None
+    fusion_index: int | None = None  # position among the members of dense fusion
 
 
 class SparseOptimizerMixin:
@@ -96,6 +98,7 @@ class SparseOptimizerMixin:
         trace: str | None = None,
         scheduler: str = "fixed",
         scheduler_steps: int = 100,
+        dense_fusion_bytes: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(params, *args, **kwargs)
@@ -126,6 +129,7 @@ class SparseOptimizerMixin:
                 reestimate_steps=reestimate_steps,
                 repartition_steps=repartition_steps,
                 error_feedback=error_feedback,
+                dense_fusion_bytes=dense_fusion_bytes,
             ),
         )
 
@@ -222,9 +226,17 @@ class SparseOptimizerMixin:
         self._correction: Correction | None = correction
         self._buckets: list[_BucketSlot] = []
         self._slot_of: dict[torch.Tensor, tuple[_BucketSlot, int]] = {}
-        for bucket in sparse_plan.buckets + dense_plan.buckets:
+        # Sparse buckets' buffers are views of arenas, so adjacent ones can be reduced
+        # as one slice when their step is dense (common/fusion.py).
+        arena_flats, members, self._arenas = _arena_layout(
+            [[by_name[e.name] for e in bucket.entries] for bucket in sparse_plan.buckets]
+        )
+        for index, bucket in enumerate(sparse_plan.buckets + dense_plan.buckets):
             params = [by_name[e.name] for e in bucket.entries]
-            flat = torch.zeros(bucket.numel, dtype=params[0].dtype, device=params[0].device)
+            if index < len(arena_flats):
+                flat = arena_flats[index]
+            else:
+                flat = torch.zeros(bucket.numel, dtype=params[0].dtype, device=params[0].device)
             slot = _BucketSlot(bucket, params, flat, self._make_reducer(bucket, flat))
             self._buckets.append(slot)
             for entry, p in zip(bucket.entries, params):
@@ -234,6 +246,15 @@ class SparseOptimizerMixin:
                 self._mask_sent_entries(slot)
                 for entry, p in zip(bucket.entries, params):
                     self._correction.attach(p, slot.buffers, entry.offset)
+        self._fusion: DenseFusion | None = None
+        no_compression = compression is None or compression is hvd.Compression.none
+        if len(members) >= 2 and no_compression:
+            # Lossy compression reduces a copy in the wire dtype, not the buffer in place.
+            self._fusion = DenseFusion(members, config.dense_fusion_cap)
+            for position, slot in enumerate(self._buckets[: len(members)]):
+                slot.fusion_index = position
+        self._fusion_runs: list[list[int]] = []  # planned at each step's first submit
+        self._fusion_planned = False
         self._passes_left = {p: self.backward_passes_per_step for _, p in named}
         self._should_synchronize = True
         self._synchronized = False
@@ -374,6 +395,7 @@ class SparseOptimizerMixin:
     # ------------------------------------------------------------------ hooks
     def _begin_step(self) -> None:
         self._step_open = False
+        self._fusion_planned = False
         for slot in self._buckets:
             slot.waiting = len(slot.params)
             slot.stage = None
@@ -428,6 +450,12 @@ class SparseOptimizerMixin:
         if self._correction is not None:
             grad = self._correction.update(p, grad)
         slot, offset = self._slot_of[p]
+        if self._fusion is not None and not self._fusion_planned:
+            # After this step's schedule and density are known, before any launch.
+            self._fusion_planned = True
+            self._fusion_runs = self._fusion.plan(
+                [s.reducer.dense_in_buffer for s in self._buckets[: len(self._fusion.members)]]
+            )
         # A dense bucket, or a sparse one whose step is dense and owes nothing, reduces
         # the bucket buffer; a sparse step reduces the residual.
         in_buffer = slot.reducer.dense_in_buffer
@@ -438,6 +466,12 @@ class SparseOptimizerMixin:
             slot.reducer.accumulate(grad, offset, self._prescale)
         slot.waiting -= 1
         if slot.waiting == 0:
+            if self._fusion is not None and self._fusion.fused(slot.fusion_index):
+                # Its allreduce is its run's, launched with the run's last bucket.
+                run = self._fusion.complete(slot.fusion_index)
+                if run is not None:
+                    self._launch_dense_run(run)
+                return
             # Last gradient of the bucket: start its reduce-scatter now, during backward.
             if in_buffer:
                 slot.stage = slot.reducer.start_in_buffer(slot.flat, self._prescale)
@@ -446,6 +480,32 @@ class SparseOptimizerMixin:
             if self._trace is not None:
                 kind = "reduce-scatter" if isinstance(slot.stage, ScatterInFlight) else "allreduce"
                 self._trace.launched(slot.bucket.name, slot.bucket.name, kind, time.perf_counter())
+
+    def _launch_dense_run(self, run: list[int]) -> None:
+        """One in-place allreduce over the arena slice of a run of dense buckets."""
+        slots = [self._buckets[index] for index in run]
+        arena, start, stop = self._fusion.span(run)
+        name = f"hvds.opt.fused.{slots[0].bucket.name}-{slots[-1].bucket.name}"
+        shared = DenseFusion.launch(
+            BACKEND,
+            self._arenas[arena][start:stop],
+            stop - start,
+            self._prescale,
+            name,
+            self.process_set,
+        )
+        now = time.perf_counter()
+        for slot in slots:
+            slot.stage = slot.reducer.start_fused(FusedPart(shared, slot.flat, slot.bucket.numel))
+            if self._trace is not None:
+                self._trace.launched(slot.bucket.name, slot.bucket.name, "allreduce (fused)", now)
+
+    @property
+    def fused_dense_runs(self) -> list[list[str]]:
+        """Bucket names reduced together by one allreduce in the current (or, between
+        steps, the last) step: runs of adjacent dense buckets (see
+        :mod:`horovod_sparse.common.fusion`)."""
+        return [[self._buckets[i].bucket.name for i in run] for run in self._fusion_runs]
 
     # ------------------------------------------------------------------ public API
     def synchronize(self) -> None:
@@ -860,7 +920,45 @@ def allgather_object(obj: Any, name: str, process_set: Any) -> list[Any]:
 
 
 def _handle_of(stage: ScatterInFlight | GatherInFlight) -> Any:
-    return stage.sent.handle if isinstance(stage, ScatterInFlight) else stage.handle
+    if isinstance(stage, ScatterInFlight):
+        return stage.sent.handle
+    return stage.handle.pending if isinstance(stage.handle, FusedPart) else stage.handle
+
+
+def _arena_layout(
+    params_per_bucket: list[list[torch.Tensor]],
+) -> tuple[list[torch.Tensor], list[FusionMember], list[torch.Tensor]]:
+    """Buffers for the sparse buckets: views of one zeroed arena per stretch of adjacent
+    buckets with the same dtype and device. Returns each bucket's view, its place for
+    :class:`~horovod_sparse.common.fusion.DenseFusion`, and the arenas."""
+    flats: list[torch.Tensor] = []
+    members: list[FusionMember] = []
+    arenas: list[torch.Tensor] = []
+    stretch: list[int] = []  # bucket sizes of the arena being laid out
+
+    def close(like: torch.Tensor) -> None:
+        arena = torch.zeros(sum(stretch), dtype=like.dtype, device=like.device)
+        offset = 0
+        for numel in stretch:
+            flats.append(arena[offset : offset + numel])
+            members.append(FusionMember(len(arenas), offset, numel, arena.element_size()))
+            offset += numel
+        arenas.append(arena)
+        stretch.clear()
+
+    previous: torch.Tensor | None = None
+    for params in params_per_bucket:
+        first = params[0]
+        if previous is not None and (first.dtype, first.device) != (
+            previous.dtype,
+            previous.device,
+        ):
+            close(previous)
+        stretch.append(sum(p.numel() for p in params))
+        previous = first
+    if previous is not None:
+        close(previous)
+    return flats, members, arenas
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -895,6 +993,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     trace: str | None = None,
     scheduler: str = "fixed",
     scheduler_steps: int = 100,
+    dense_fusion_bytes: int | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so its gradients are reduced by sparse allreduce.
 
@@ -922,6 +1021,11 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
             runs as a trial and is kept only if whole steps get faster; see
             :mod:`horovod_sparse.common.scheduler`).
         scheduler_steps: steps between the automatic scheduler's decisions.
+        dense_fusion_bytes: on a step where adjacent sparse buckets are all dense (the
+            scheduler's choice, warm-up), reduce them as one allreduce of at most this
+            many bytes; default ``HOROVOD_FUSION_THRESHOLD`` or 128 MiB, as Horovod
+            fuses dense gradients; 0: each bucket alone. :attr:`fused_dense_runs`
+            says which buckets were fused.
 
     ``groups`` (lists of parameters) and ``num_groups`` define the fusion buckets.
     The returned object is an instance of ``Sparse<OptimizerClass>``, a subclass of both
@@ -964,6 +1068,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
             reestimate_steps=reestimate_steps,
             repartition_steps=repartition_steps,
             error_feedback=error_feedback,
+            dense_fusion_bytes=dense_fusion_bytes,
         ),
     )
     return wrapped
