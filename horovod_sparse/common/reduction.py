@@ -33,6 +33,7 @@ def owner_reduce(
     indices, wire_values = ops.unpack_rows(rows, wire_like)
     values = decode(wire_values)
     # Sum over the distinct received indices only: O(rows), not O(region length).
-    # Rows are added in arrival (rank) order, so the sums do not depend on timing.
+    # Rows are added in arrival (rank) order, so the sums do not depend on timing (the
+    # torch backend avoids index_add_'s unordered atomics on CUDA for this).
     distinct, position = ops.unique_inverse(indices)
     return distinct, ops.add_at(ops.zeros(ops.num_rows(distinct), like), position, values)
