@@ -97,6 +97,9 @@ MODES = {
     "scheduler_auto": {"scheduler": "auto", "scheduler_steps": 5},
 }
 DENSITY = 0.01
+# Run-to-run difference allowed for dense steps at 3+ ranks, relative to the norm of the
+# 30 steps' update (see check(): last-bit rounding, about 1e-16 relative in float64).
+REPEAT_DENSE_REL_UPDATE = 1e-12
 # Each weight matrix gets a bucket of its own (the biases share a dense one), so the
 # overlap has several buckets to apply from forward pre-hooks.
 BUCKET_BYTES = 20_000
@@ -277,10 +280,14 @@ def train(
     return result
 
 
+def update_norm(run: dict) -> float:
+    return (run["final"] - run["initial"]).norm().item()
+
+
 def compare(reference: dict, other: dict) -> dict:
     """How far ``other``'s final parameters are from ``reference``'s."""
     difference = (other["final"] - reference["final"]).abs()
-    update = (reference["final"] - reference["initial"]).norm().item()
+    update = update_norm(reference)
     return {
         "max_abs": difference.max().item(),
         "rel_update": difference.norm().item() / update if update > 0 else math.inf,
@@ -323,8 +330,19 @@ def check(dtype_name: str, opt_name: str, mode: str, steps: int) -> dict:
             key: max([FLOAT32_FLOOR[key]] + [CONTROL_MARGIN * c[key] for c in usable])
             for key in FLOAT32_FLOOR
         }
-    if repeat["comparable"] and repeat["max_abs"] != 0.0:
-        problems.append(f"a second CUDA run differs by {repeat['max_abs']:.3g}")
+    # Sparse steps repeat bit for bit. Dense steps (the scheduler's choice) go through
+    # Horovod's allreduce, whose run-time fusion of allreduces pending together depends
+    # on timing; with 3+ ranks the ring then adds some entries in another order. Seen on
+    # an H100 at 3 ranks: a last-bit difference (2.8e-17 and 1.1e-16 absolute) that
+    # vanished with HOROVOD_FUSION_THRESHOLD=0. Horovod's own optimizer has it too.
+    if mode == "scheduler_auto" and hvd.size() > 2:
+        repeat_limit = REPEAT_DENSE_REL_UPDATE * (update_norm(gpu) or 1.0)
+    else:
+        repeat_limit = 0.0
+    if repeat["comparable"] and repeat["max_abs"] > repeat_limit:
+        problems.append(
+            f"a second CUDA run differs by {repeat['max_abs']:.3g} (allowed {repeat_limit:.3g})"
+        )
     if versus_cpu["comparable"]:
         for key, label in (("max_abs", "max |CUDA - CPU|"), ("rel_update", "relative difference")):
             if not versus_cpu[key] <= tolerance[key]:
