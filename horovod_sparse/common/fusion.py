@@ -15,9 +15,11 @@ overlap of the earlier buckets' allreduces for fewer, larger collectives, exactl
 Horovod's fusion buffer does; the cap on a run's bytes is the knob (0: no fusion).
 
 Sends: one ring allreduce of the run's values (the same bytes as the separate
-allreduces). Keeps: nothing; the buckets' residuals are clear (only a step that
-:attr:`~horovod_sparse.common.pipeline.BucketReducer.dense_in_buffer` says reduces the
-bucket buffer is fused).
+allreduces). Keeps: nothing. A bucket whose residual still owes mass (the switch to
+dense, or a residual restored on one rank only) moves it into its slice before the
+launch, so the runs, planned from
+:attr:`~horovod_sparse.common.pipeline.BucketReducer.dense_step`, are the same on every
+rank and no mass stays behind.
 """
 
 from __future__ import annotations
@@ -160,9 +162,8 @@ class DenseFusion:
 
     @staticmethod
     def launch(
-        ops: Backend, buffer: Tensor, numel: int, prescale: float, name: str, process_set: Any
+        ops: Backend, buffer: Tensor, numel: int, name: str, process_set: Any
     ) -> SharedAllreduce:
-        """Scale the run's slice ``buffer`` and start its in-place allreduce."""
-        if prescale != 1.0:
-            buffer = ops.scale(buffer, prescale)
+        """Start the in-place allreduce of the run's slice ``buffer`` (each member's part
+        already prescaled, see ``BucketReducer.prepare_fused``)."""
         return SharedAllreduce(ops.allreduce_sum_inplace_async(buffer, name, process_set), numel)

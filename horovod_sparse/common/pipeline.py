@@ -141,8 +141,16 @@ class BucketReducer:
         the residual, and calls :meth:`start_in_buffer`. That saves three passes over
         the bucket per step (add into the residual, copy out of it, clear it).
         """
-        if not self.residual_clear:
-            return False
+        return self.residual_clear and self.dense_step
+
+    @property
+    def dense_step(self) -> bool:
+        """Whether the next step is dense: warm-up, density 1, or a scheduler's choice.
+
+        Unlike :attr:`dense_in_buffer`, it depends on nothing a single rank may hold
+        alone (a residual restored on one rank only), so ranks that agree on the step
+        and the schedule agree on it; dense-step fusion plans its collectives from it.
+        """
         return self.force_dense or budget(self.numel, self.config.density_at(self.step)) >= (
             self.numel
         )
@@ -237,18 +245,34 @@ class BucketReducer:
         self._accounting = self._dense_accounting(ops.itemsize(wire), ops.clock() - began)
         return GatherInFlight(handle, 0, wire, ctx)
 
-    def start_fused(self, part: FusedPart) -> GatherInFlight:
-        """A dense step while :attr:`dense_in_buffer` whose allreduce is shared with
-        adjacent buckets (:mod:`horovod_sparse.common.fusion`): the adapter launched it
-        over ``part.buffer`` and its neighbours, already prescaled. Launches nothing.
+    def prepare_fused(self, buffer: Tensor, prescale: float = 1.0) -> None:
+        """A :attr:`dense_step` whose allreduce is shared with adjacent buckets
+        (:mod:`horovod_sparse.common.fusion`), before the adapter launches it: leave
+        this rank's prescaled contribution in ``buffer``.
+
+        With a clear residual the adapter copied the gradients into ``buffer``; they are
+        prescaled here. Otherwise it added them to the residual, which moves into
+        ``buffer`` whole (no mass stays behind) and is cleared. Needs no compression.
 
         Sends: its share of the run's ring allreduce (n values). Keeps: nothing.
         """
+        ops = self.ops
+        if self.dense_in_buffer:
+            if prescale != 1.0:
+                ops.scale(buffer, prescale)  # in place: the buffer is the adapter's slice
+        else:
+            ops.assign(buffer, self.residual)
+            self.residual = ops.zero_(self.residual)
+            self.residual_clear = True
         self.k = self.numel
         self.step += 1
         self._dense_from_residual = False
         self._dense_lost = None
-        self._accounting = self._dense_accounting(self.ops.itemsize(part.buffer), 0.0)
+        self._accounting = self._dense_accounting(ops.itemsize(buffer), 0.0)
+
+    def start_fused(self, part: FusedPart) -> GatherInFlight:
+        """The in-flight state of a :meth:`prepare_fused` step once its run's allreduce
+        is launched over ``part.buffer`` and its neighbours. Launches nothing."""
         return GatherInFlight(part, 0, part.buffer, None)
 
     def _dense_accounting(self, wire_itemsize: int, exchange_s: float) -> dict[str, Any]:

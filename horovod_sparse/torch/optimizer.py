@@ -454,7 +454,7 @@ class SparseOptimizerMixin:
             # After this step's schedule and density are known, before any launch.
             self._fusion_planned = True
             self._fusion_runs = self._fusion.plan(
-                [s.reducer.dense_in_buffer for s in self._buckets[: len(self._fusion.members)]]
+                [s.reducer.dense_step for s in self._buckets[: len(self._fusion.members)]]
             )
         # A dense bucket, or a sparse one whose step is dense and owes nothing, reduces
         # the bucket buffer; a sparse step reduces the residual.
@@ -468,6 +468,7 @@ class SparseOptimizerMixin:
         if slot.waiting == 0:
             if self._fusion is not None and self._fusion.fused(slot.fusion_index):
                 # Its allreduce is its run's, launched with the run's last bucket.
+                slot.reducer.prepare_fused(slot.flat, self._prescale)
                 run = self._fusion.complete(slot.fusion_index)
                 if run is not None:
                     self._launch_dense_run(run)
@@ -490,7 +491,6 @@ class SparseOptimizerMixin:
             BACKEND,
             self._arenas[arena][start:stop],
             stop - start,
-            self._prescale,
             name,
             self.process_set,
         )

@@ -127,6 +127,35 @@ def test_a_fused_step_is_horovods_dense_allreduce_and_conserves_mass_after():
     assert spread(model) == 0.0
 
 
+def test_a_residual_owed_on_one_rank_only_joins_the_fused_allreduce():
+    """Runs are planned from the dense step, which every rank agrees on, not from a
+    clear residual, which one rank may lack (say, a checkpoint restored on rank 0
+    only): that rank moves its residual into the fused allreduce, no mass left out."""
+    model, opt = build("plain")
+    train(model, opt, 1)  # a fused warm-up step: residuals clear
+    slots = opt._sparse_slots()
+    owed = {}
+    for slot in slots:
+        owed[slot.bucket.name] = torch.full_like(slot.reducer.residual, 0.01 * (hvd.rank() == 0))
+        if hvd.rank() == 0:
+            slot.reducer.residual = slot.reducer.residual + owed[slot.bucket.name]
+    assert [slot.reducer.residual_clear for slot in slots] == [hvd.rank() != 0] * 3
+    opt.zero_grad()
+    loss_of(model, 1).backward()
+    local = {p: p.grad.clone() for p in model.parameters()}
+    opt.synchronize()
+    assert opt.fused_dense_runs == [SPARSE]
+    for slot in slots:
+        sent = torch.cat([local[p].reshape(-1) for p in slot.params]) + owed[slot.bucket.name]
+        total = hvd.allreduce(sent, op=hvd.Sum, name=f"owed.sent.{slot.bucket.name}")
+        result = torch.cat([p.grad.reshape(-1) for p in slot.params])
+        torch.testing.assert_close(hvd.size() * result, total, rtol=1e-5, atol=1e-6)
+        assert slot.reducer.residual_clear and slot.reducer.residual.abs().sum() == 0
+    with opt.skip_synchronize():
+        opt.step()
+    assert spread(model) == 0.0
+
+
 def test_the_cap_splits_the_run():
     # 24 KiB + 24 KiB fit in 50 000 bytes; the third bucket would not.
     model, opt = build(dense_fusion_bytes=50_000)
