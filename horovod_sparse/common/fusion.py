@@ -140,7 +140,7 @@ class DenseFusion:
     _left: dict[int, int] = field(default_factory=dict)
 
     def plan(self, dense: Sequence[bool]) -> list[list[int]]:
-        runs = plan_dense_runs(self.members, dense, self.cap_bytes) if self.cap_bytes > 0 else []
+        runs = plan_dense_runs(self.members, dense, self.cap_bytes)
         self._run_of = {index: run for run in runs for index in run}
         self._left = {run[0]: len(run) for run in runs}
         return runs
