@@ -26,14 +26,19 @@ direction on each rank from its own gradient and exchanges that direction instea
   feedback then conserves the direction's mass: a lump moves a weight as far as the
   steps it stands for would have.
 
-Both keep their state in flat buffers over each bucket (views per parameter), saved
-with the optimizer's ``state_dict``.
+Only the parameters of sparse buckets are corrected: a parameter that is always reduced
+densely (a tensor under ``min_sparse_numel``) steps by the wrapped optimizer's own
+algorithm. The state lives where the wrapped optimizer keeps its own, under its own
+names (SGD's ``momentum_buffer``; Adam's ``step``, ``exp_avg``, ``exp_avg_sq``), as views
+of flat buffers over each bucket. So ``optimizer.state_dict()`` is complete, Horovod's
+``broadcast_optimizer_state`` broadcasts it in place, and a checkpoint loads into the
+plain torch optimizer too.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,19 +50,36 @@ __all__ = [
     "MomentumCorrection",
     "SGDSettings",
     "make_correction",
+    "narrowed",
 ]
 
 _SGD_OFF = {"momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0}
 
 
+@contextlib.contextmanager
+def narrowed(optimizer: torch.optim.Optimizer, keep: Iterable[torch.Tensor]) -> Iterator[None]:
+    """The optimizer's groups restricted to the parameters in ``keep``; restored after."""
+    members = {id(p) for p in keep}
+    saved = [group["params"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in members]
+    try:
+        yield
+    finally:
+        for group, params in zip(optimizer.param_groups, saved):
+            group["params"] = params
+
+
 class Correction:
     """What the optimizer adapter needs of a correction.
 
-    ``buffer_names``: the flat per-bucket state buffers to allocate; ``masked_buffer``:
-    the one whose sent entries the reducer zeroes, or None.
+    ``buffer_names``: the flat per-bucket buffers to allocate; ``masked_buffer``: the one
+    whose sent entries the reducer zeroes, or None; ``state_keys``: the wrapped
+    optimizer's state names the buffers appear under, per buffer.
     """
 
     buffer_names: tuple[str, ...] = ()
+    state_keys: tuple[str, ...] = ()
     masked_buffer: str | None = None
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -65,12 +87,14 @@ class Correction:
         self.views: dict[str, dict[torch.Tensor, torch.Tensor]] = {
             name: {} for name in self.buffer_names
         }
-        self.steps = 0  # corrected steps taken
-        # The group dicts themselves: a scheduler changes their values in place.
+        self.covered: set[torch.Tensor] = set()  # parameters of sparse buckets
+        # The group dicts themselves: a scheduler (or a broadcast) changes their values
+        # in place, and every update reads them afresh.
         self._groups = {p: group for group in optimizer.param_groups for p in group["params"]}
 
     def attach(self, param: torch.Tensor, buffers: dict[str, torch.Tensor], offset: int) -> None:
-        """Give ``param`` its slice of each of its bucket's flat state buffers."""
+        """Correct ``param``, with its slice of each of its bucket's flat buffers."""
+        self.covered.add(param)
         for name in self.buffer_names:
             flat = buffers[name]
             self.views[name][param] = flat[offset : offset + param.numel()].view_as(param)
@@ -80,18 +104,47 @@ class Correction:
         keep or modify it (it may be a state buffer)."""
         raise NotImplementedError
 
-    def end_step(self) -> None:
-        self.steps += 1
-
     def step(self, wrapped_step: Callable[[Any], Any], closure: Any) -> Any:
-        """Apply the exchanged directions now held in ``p.grad``."""
+        """Apply the exchanged directions now held in ``p.grad``: the wrapped
+        optimizer's own step for parameters that are not corrected, the corrected rule
+        for the others."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stepped = [p for g in self.optimizer.param_groups for p in g["params"]]
+        native = [p for p in stepped if p not in self.covered]
+        if native:
+            with narrowed(self.optimizer, native):
+                wrapped_step(None)
+        if len(native) < len(stepped):
+            with narrowed(self.optimizer, self.covered):
+                self._step_corrected(wrapped_step)
+        return loss
+
+    def _step_corrected(self, wrapped_step: Callable[[Any], Any]) -> None:
         raise NotImplementedError
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps}
+    def adopt_state(self) -> None:
+        """Make the wrapped optimizer's state entries of corrected parameters views of the
+        flat buffers again, taking their values (after ``load_state_dict`` replaced them)."""
+        for param in self.covered:
+            state = self.optimizer.state.get(param)
+            if state:
+                for name, key in zip(self.buffer_names, self.state_keys):
+                    self._bind(state, key, self.views[name][param])
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps = int(state["steps"])
+    @staticmethod
+    def _bind(state: dict[str, Any], key: str, view: torch.Tensor) -> None:
+        """``state[key]`` becomes ``view``, holding the value it had, if it had one."""
+        value = state.get(key)
+        if value is view:
+            return
+        if value is None:
+            view.zero_()
+        else:
+            view.copy_(value)
+        state[key] = view
 
     def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
         return self._groups[param]
@@ -122,6 +175,7 @@ class MomentumCorrection(Correction):
     """SGD: per-rank velocities; the wrapped SGD steps with momentum and decay off."""
 
     buffer_names = ("velocity",)
+    state_keys = ("momentum_buffer",)
     masked_buffer = "velocity"
 
     def update(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -132,17 +186,20 @@ class MomentumCorrection(Correction):
         if s.momentum == 0.0:
             return g
         velocity = self.views["velocity"][param]
-        if self.steps == 0:
+        state = self.optimizer.state[param]
+        if state.get("momentum_buffer") is None:
             velocity.copy_(g)  # as torch.optim.SGD starts its momentum buffer
+            state["momentum_buffer"] = velocity
         else:
+            self._bind(state, "momentum_buffer", velocity)
             velocity.mul_(s.momentum).add_(g, alpha=1.0 - s.dampening)
         if s.nesterov:
             return g.add(velocity, alpha=s.momentum)
         return velocity
 
-    def step(self, wrapped_step: Callable[[Any], Any], closure: Any) -> Any:
+    def _step_corrected(self, wrapped_step: Callable[[Any], Any]) -> None:
         with self._plain_sgd():
-            return wrapped_step(closure)
+            wrapped_step(None)
 
     @contextlib.contextmanager
     def _plain_sgd(self) -> Iterator[None]:
@@ -164,6 +221,7 @@ class AdamCorrection(Correction):
     """Adam and AdamW: per-rank moments; the exchange carries Adam's direction."""
 
     buffer_names = ("exp_avg", "exp_avg_sq")
+    state_keys = ("exp_avg", "exp_avg_sq")
     masked_buffer = None
 
     def update(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -173,17 +231,21 @@ class AdamCorrection(Correction):
         if group["weight_decay"] != 0.0 and not _decoupled(self.optimizer, group):
             g = g.add(param.detach(), alpha=group["weight_decay"])
         first, second = self.views["exp_avg"][param], self.views["exp_avg_sq"][param]
+        state = self.optimizer.state[param]
+        if "step" not in state:
+            # As torch.optim.Adam starts its state; the step count stays on the host
+            # (a CPU tensor, as torch keeps it), so reading it costs no device sync.
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for name, key in zip(self.buffer_names, self.state_keys):
+            self._bind(state, key, self.views[name][param])
+        state["step"] += 1
+        t = float(state["step"])
         first.mul_(beta1).add_(g, alpha=1.0 - beta1)
         second.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-        t = self.steps + 1
         denominator = (second / (1.0 - beta2**t)).sqrt_().add_(group["eps"])
         return (first / (1.0 - beta1**t)).div_(denominator)
 
-    def step(self, wrapped_step: Callable[[Any], Any], closure: Any) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _step_corrected(self, wrapped_step: Callable[[Any], Any]) -> None:
         with torch.no_grad():
             for group in self.optimizer.param_groups:
                 lr = group["lr"]
@@ -194,7 +256,6 @@ class AdamCorrection(Correction):
                     if decay != 0.0:
                         p.mul_(1.0 - lr * decay)
                     p.add_(p.grad, alpha=-lr)
-        return loss
 
 
 def _decoupled(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
@@ -209,6 +270,8 @@ def make_correction(
     ``None`` (the default) turns it on when some step is sparse, for ``torch.optim.SGD``
     with momentum in any group and for ``torch.optim.Adam`` / ``AdamW``; ``True``
     insists on it (those optimizers only); ``False`` keeps the wrapped optimizer as it is.
+    ``sparse``: whether some bucket can take a sparse step (a parameter large enough for
+    a sparse bucket, and a density or warm-up that is not always dense).
     """
     if isinstance(optimizer, torch.optim.Adam):
         if any(group.get("amsgrad", False) for group in optimizer.param_groups):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import sys
 import time
 import uuid
 import warnings
@@ -155,7 +156,9 @@ class SparseOptimizerMixin:
         config_knobs: dict[str, Any],
     ) -> None:
         if not process_set.included():
-            raise ValueError("this rank is not in the optimizer's process_set")
+            self._setup_outside_process_set(named_parameters, backward_passes_per_step, process_set)
+            return
+        self._member = True
         # Validate locally, then share the verdict in the one validation collective, so
         # a problem on any rank is raised on every rank instead of leaving the others
         # waiting in a collective.
@@ -171,8 +174,12 @@ class SparseOptimizerMixin:
                 op_name(op), process_set.size(), float(gradient_predivide_factor)
             )
             named = self._name_parameters(named_parameters)
+            # Only parameters of sparse buckets are corrected: a tensor that is always
+            # reduced densely steps by the wrapped optimizer's own algorithm.
+            can_be_sparse = config.density < 1.0 or config.warmup_steps > 0
+            some_sparse_bucket = any(p.numel() >= config.min_sparse_numel for _, p in named)
             correction = make_correction(
-                self, momentum_correction, config.density < 1.0 or config.warmup_steps > 0
+                self, momentum_correction, can_be_sparse and some_sparse_bucket
             )
             if scheduler not in SCHEDULERS:
                 raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
@@ -203,7 +210,7 @@ class SparseOptimizerMixin:
         self.process_set = process_set
         self._prescale, self._postscale = prescale, postscale
         self._world_size = process_set.size()
-        self._param_names = {p: n for n, p in named}
+        self._parameter_names = {p: n for n, p in named}  # as Horovod's optimizer has it
         # Identifies this optimizer's own saved states (elastic commit/restore), whose
         # residuals belong to this process whatever its rank is now.
         self._owner_token = uuid.uuid4().hex
@@ -241,11 +248,13 @@ class SparseOptimizerMixin:
             self._buckets.append(slot)
             for entry, p in zip(bucket.entries, params):
                 self._slot_of[p] = (slot, entry.offset)
-            if self._correction is not None:
+            if self._correction is not None and bucket.kind == "sparse":
                 slot.buffers = {n: torch.zeros_like(flat) for n in self._correction.buffer_names}
                 self._mask_sent_entries(slot)
                 for entry, p in zip(bucket.entries, params):
                     self._correction.attach(p, slot.buffers, entry.offset)
+        if self._correction is not None and not self._correction.covered:
+            self._correction = None  # no sparse bucket: nothing to correct
         self._fusion: DenseFusion | None = None
         no_compression = compression is None or compression is hvd.Compression.none
         if len(members) >= 2 and no_compression:
@@ -256,6 +265,10 @@ class SparseOptimizerMixin:
         self._fusion_runs: list[list[int]] = []  # planned at each step's first submit
         self._fusion_planned = False
         self._passes_left = {p: self.backward_passes_per_step for _, p in named}
+        # Sparse gradients (torch.nn.Embedding(sparse=True)) of this step: allgathered
+        # as Horovod does, or, with sparse_as_dense, reduced densely and made sparse again.
+        self._sparse_gathers: dict[torch.Tensor, _SparseGather] = {}
+        self._back_to_sparse: set[torch.Tensor] = set()
         self._should_synchronize = True
         self._synchronized = False
         self._step_records: list[tuple[Any, list[Any], dict[str, Any]]] = []
@@ -282,6 +295,28 @@ class SparseOptimizerMixin:
             )
         self._trace: Trace | None = Trace(trace, process_set.rank()) if trace is not None else None
         self._begin_step()
+
+    def _setup_outside_process_set(
+        self,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+        backward_passes_per_step: int,
+        process_set: Any,
+    ) -> None:
+        """A rank outside the optimizer's process set steps the wrapped optimizer on its
+        own gradients and takes part in no collective, as Horovod's optimizer does there."""
+        self._member = False
+        self.process_set = process_set
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self._parameter_names = {p: n for n, p in self._name_parameters(named_parameters)}
+        self._buckets = []
+        self._correction = None
+        self._deferred = None
+        self._scheduler = None
+        self._trace = None
+        self._fusion_runs = []
+        self._step_records = []
+        self._should_synchronize = True
+        self._synchronized = False
 
     def _make_reducer(self, bucket: Bucket, flat: torch.Tensor) -> Any:
         """A reducer for ``bucket`` over the process set as it is now."""
@@ -401,6 +436,17 @@ class SparseOptimizerMixin:
             slot.stage = None
         for p in self._passes_left:
             self._passes_left[p] = self.backward_passes_per_step
+        self._back_to_sparse.clear()
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change ``backward_passes_per_step`` (as Horovod's optimizer offers); counts
+        restart for the current step."""
+        if int(passes) < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        self.backward_passes_per_step = int(passes)
+        if self._member:
+            for p in self._passes_left:
+                self._passes_left[p] = self.backward_passes_per_step
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if self._passes_left[p] <= 0:
@@ -430,24 +476,42 @@ class SparseOptimizerMixin:
         if self._passes_left[p] == 0:
             self._submit(p)
 
-    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
+    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the bucket reduces for ``p``; None when a sparse gradient is
+        allgathered instead (the bucket then carries zeros for ``p``)."""
         grad = p.grad
         if grad is None:
             # A parameter unused on this rank still takes part, as zeros.
             p.grad = grad = torch.zeros_like(p)
-        if grad.is_sparse:
-            if not self.sparse_as_dense:
-                raise ValueError(
-                    f"parameter {self._param_names[p]!r} has a sparse gradient; pass "
-                    "sparse_as_dense=True to reduce it as a dense tensor"
-                )
-            p.grad = grad = grad.to_dense()
-        return grad
+        if not grad.is_sparse:
+            return grad
+        corrected = self._correction is not None and p in self._correction.covered
+        if self.sparse_as_dense or corrected:
+            # Reduced densely; made sparse again afterwards, as Horovod does, unless the
+            # step applies a momentum-corrected direction, which is dense anyway.
+            if not corrected:
+                self._back_to_sparse.add(p)
+            return grad.to_dense()
+        name = f"hvds.opt.sparse.{self._parameter_names[p]}"
+        scale = self._prescale * self._postscale
+        self._sparse_gathers[p] = _SparseGather(grad, name, scale, self.process_set)
+        return None
+
+    def _reduced_grad(self, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """What ``p.grad`` becomes after the exchange, given the bucket's ``value`` for
+        ``p``: the allgathered sparse gradient, ``value`` made sparse again
+        (``sparse_as_dense``), or ``value`` itself."""
+        gather = self._sparse_gathers.pop(p, None)
+        if gather is not None:
+            return gather.wait()
+        if p in self._back_to_sparse:
+            return value.to_sparse()
+        return value
 
     def _submit(self, p: torch.Tensor) -> None:
         self._passes_left[p] = 0
         grad = self._dense_grad(p)
-        if self._correction is not None:
+        if grad is not None and self._correction is not None and p in self._correction.covered:
             grad = self._correction.update(p, grad)
         slot, offset = self._slot_of[p]
         if self._fusion is not None and not self._fusion_planned:
@@ -459,7 +523,11 @@ class SparseOptimizerMixin:
         # A dense bucket, or a sparse one whose step is dense and owes nothing, reduces
         # the bucket buffer; a sparse step reduces the residual.
         in_buffer = slot.reducer.dense_in_buffer
-        if in_buffer:
+        if grad is None:
+            # Allgathered on its own: the bucket carries nothing for it.
+            if in_buffer:
+                slot.flat[offset : offset + p.numel()].zero_()
+        elif in_buffer:
             slot.flat[offset : offset + p.numel()].copy_(grad.reshape(-1))
         else:
             # Error feedback straight from p.grad into the residual: no bucket copy.
@@ -526,11 +594,21 @@ class SparseOptimizerMixin:
                 "clipping needs every averaged gradient before the step, but the all-gathers "
                 "are deferred to the next forward pass. Turn overlap_allgather off to clip"
             )
+        if not self._member:
+            self._synchronized = True  # outside the process set: nothing to reduce
+            return
         for slot, stage in self._launch_gathers():
             # The bucket buffer is free again: the result is written into it.
             result = self._finish_bucket(slot, stage)
             for entry, p in zip(slot.bucket.entries, slot.params):
-                p.grad.copy_(result[entry.offset : entry.offset + entry.numel].view_as(p.grad))
+                value = result[entry.offset : entry.offset + entry.numel].view_as(p)
+                reduced = self._reduced_grad(p, value)
+                if reduced is value and not p.grad.is_sparse:
+                    p.grad.copy_(value)
+                else:
+                    # A sparse gradient's result; or a dense one for a sparse gradient
+                    # (momentum correction), copied: the bucket buffer is reused.
+                    p.grad = reduced if reduced is not value else value.clone()
         self._record_step()
         self._end_step()
         self._synchronized = True
@@ -642,8 +720,6 @@ class SparseOptimizerMixin:
         return list(self._scheduler.trials) if self._scheduler is not None else []
 
     def _end_step(self) -> None:
-        if self._correction is not None:
-            self._correction.end_step()
         self._begin_step()
 
     def _poll_trace(self) -> None:
@@ -704,7 +780,9 @@ class SparseOptimizerMixin:
         result = self._finish_bucket(slot, stage)
         saved = [p.grad for p in slot.params]
         for entry, p in zip(slot.bucket.entries, slot.params):
-            p.grad = result[entry.offset : entry.offset + entry.numel].view_as(p)
+            p.grad = self._reduced_grad(
+                p, result[entry.offset : entry.offset + entry.numel].view_as(p)
+            )
         try:
             with self._deferred.only(slot.params):
                 self._wrapped_step(None)
@@ -733,6 +811,13 @@ class SparseOptimizerMixin:
             self._should_synchronize = True
 
     def step(self, closure: Any = None) -> Any:
+        if not self._member or _called_by_horovod_state_broadcast():
+            # Horovod's broadcast_optimizer_state steps an optimizer whose state is
+            # empty with zero gradients, on the ranks where it is empty only, to create
+            # that state. Horovod's own optimizer then takes the wrapped optimizer's
+            # local step; so does this one, or those ranks would wait in an exchange
+            # that the others never join.
+            return self._local_step(closure)
         if self._deferred is not None:
             if not self._should_synchronize:
                 raise RuntimeError(
@@ -755,8 +840,27 @@ class SparseOptimizerMixin:
             return super().step(closure)
         return self._correction.step(super().step, closure)
 
+    def _local_step(self, closure: Any) -> Any:
+        """The wrapped optimizer's step on this rank's own ``p.grad``, with no exchange
+        (momentum correction included: its state is created or advanced as a step
+        would). ``p.grad`` is left as it was."""
+        correction = self._correction
+        if correction is None:
+            return super().step(closure)
+        saved = {}
+        for p in correction.covered:
+            if p.grad is not None:
+                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                saved[p] = p.grad
+                p.grad = correction.update(p, grad)
+        try:
+            return self._wrapped_step(closure)
+        finally:
+            for p, grad in saved.items():
+                p.grad = grad
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if any(slot.stage is not None for slot in self._buckets):
+        if self._sparse_gathers or any(slot.stage is not None for slot in self._buckets):
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
@@ -787,19 +891,25 @@ class SparseOptimizerMixin:
 
     @property
     def momentum_correction(self) -> bool:
-        """Whether the optimizer's momentum runs in front of the exchange
-        (see :mod:`horovod_sparse.torch.momentum`)."""
+        """Whether the optimizer's momentum runs in front of the exchange for the
+        parameters of sparse buckets (see :mod:`horovod_sparse.torch.momentum`)."""
         return self._correction is not None
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state plus, per sparse bucket, this rank's residual,
         step count, selection state (threshold) and partition boundaries.
 
-        Residuals are per rank: save one checkpoint per rank to resume exactly. See
-        :meth:`load_state_dict` for loading on another rank or world size.
+        With momentum correction, the per-rank velocity or moments are the wrapped
+        optimizer's own state entries (``momentum_buffer``; ``step``, ``exp_avg``,
+        ``exp_avg_sq``), so Horovod's ``broadcast_optimizer_state`` and a plain torch
+        optimizer read them as their own. Residuals are per rank: save one checkpoint
+        per rank to resume exactly. See :meth:`load_state_dict` for loading on another
+        rank or world size.
         """
         self.flush()
         state = super().state_dict()
+        if not self._member:
+            return state
         state[_STATE_KEY] = {
             "rank": self.process_set.rank(),
             "world_size": self.process_set.size(),
@@ -809,14 +919,6 @@ class SparseOptimizerMixin:
                 for slot in self._sparse_slots()
             },
         }
-        if self._correction is not None:
-            state[_STATE_KEY]["momentum"] = {
-                **self._correction.state_dict(),
-                "buffers": {
-                    slot.bucket.name: {n: b.detach().clone() for n, b in slot.buffers.items()}
-                    for slot in self._buckets
-                },
-            }
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -833,6 +935,12 @@ class SparseOptimizerMixin:
         state_dict = dict(state_dict)
         sparse_state = state_dict.pop(_STATE_KEY, None)
         super().load_state_dict(state_dict)
+        if self._correction is not None:
+            # The loaded entries are new tensors: their values go into the flat buffers,
+            # which the exchange masks and the correction updates.
+            self._correction.adopt_state()
+        if not self._member:
+            return
         # A step interrupted by a failure (elastic restore) leaves exchanges in flight
         # whose handles belong to the old world; the restored state replaces them, as
         # it replaces updates still deferred to the next forward.
@@ -866,22 +974,6 @@ class SparseOptimizerMixin:
             # next decision must not wait for a step count from before the restore.
             self._scheduler.restart(self._sparse_slots()[0].reducer.step)
             self._step_began = None
-        self._load_correction_state(sparse_state.get("momentum"))
-
-    def _load_correction_state(self, saved: dict[str, Any] | None) -> None:
-        """Restored as saved: a rank's velocity or moments are its own statistics, not
-        gradient mass owed to the sum."""
-        if self._correction is None:
-            return
-        if saved is None:
-            raise ValueError(
-                "checkpoint has no momentum-correction state; it was saved with "
-                "momentum_correction off, so load it with momentum_correction=False"
-            )
-        self._correction.load_state_dict(saved)
-        for slot in self._buckets:
-            for name, buffer in slot.buffers.items():
-                buffer.copy_(saved["buffers"][slot.bucket.name][name])
 
     def _sparse_slots(self) -> list[_BucketSlot]:
         return [s for s in self._buckets if isinstance(s.reducer, BucketReducer)]
@@ -897,6 +989,48 @@ def _detached(state: dict[str, Any]) -> dict[str, Any]:
         else value
         for key, value in state.items()
     }
+
+
+class _SparseGather:
+    """A sparse gradient's reduction as Horovod does it: two allgathers (its indices and
+    its values), concatenated into one sparse tensor whose duplicates add up.
+
+    Sends this rank's nnz rows of indices and values; receives every rank's.
+    """
+
+    def __init__(self, grad: torch.Tensor, name: str, scale: float, process_set: Any) -> None:
+        grad = grad.coalesce()
+        self._like = grad
+        self._scale = scale
+        # Allgather concatenates along the first dimension: one row per nonzero.
+        self._indices = hvd.allgather_async(
+            grad.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set
+        )
+        self._values = hvd.allgather_async(
+            grad.values(), name=f"{name}.values", process_set=process_set
+        )
+
+    def wait(self) -> torch.Tensor:
+        values = hvd.synchronize(self._values)
+        indices = hvd.synchronize(self._indices)
+        return torch.sparse_coo_tensor(
+            indices.t(), values * self._scale, self._like.shape, dtype=self._like.dtype
+        ).coalesce()
+
+
+def _called_by_horovod_state_broadcast() -> bool:
+    """Whether ``step()`` was called by Horovod's ``broadcast_optimizer_state`` (directly,
+    or through a subclass's ``step``), which steps only the ranks whose state is empty."""
+    frame = sys._getframe(2)  # the caller of step()
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "broadcast_optimizer_state" and str(
+            frame.f_globals.get("__name__", "")
+        ).startswith("horovod.torch"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def allgather_object(obj: Any, name: str, process_set: Any) -> list[Any]:

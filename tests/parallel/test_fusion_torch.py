@@ -116,7 +116,7 @@ def test_a_fused_step_is_horovods_dense_allreduce_and_conserves_mass_after():
             # First sparse step: residual_after + P * result == gradient, summed over ranks.
             assert opt.fused_dense_runs == []
             for slot in opt._sparse_slots():
-                sent = torch.cat([local[opt._param_names[p]].reshape(-1) for p in slot.params])
+                sent = torch.cat([local[opt._parameter_names[p]].reshape(-1) for p in slot.params])
                 result = torch.cat([p.grad.reshape(-1) for p in slot.params])
                 owed = hvd.allreduce(slot.reducer.residual, op=hvd.Sum, name=f"owed.{step}")
                 total = hvd.allreduce(sent, op=hvd.Sum, name=f"sent.{step}")

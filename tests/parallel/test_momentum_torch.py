@@ -1,5 +1,7 @@
 """Momentum correction: dense-equivalent at density 1, exact against the reference below it."""
 
+import copy
+
 import horovod.torch as hvd
 import numpy as np
 import pytest
@@ -139,8 +141,28 @@ def test_checkpoint_carries_velocities():
 
     model_a, opt_a = make()
     train(model_a, opt_a, 5)
-    saved = opt_a.state_dict()
-    assert set(saved["horovod_sparse"]["momentum"]["buffers"]) == set(opt_a.velocities())
+    # As with any torch optimizer, state_dict() holds the live state tensors (Horovod's
+    # broadcast_optimizer_state writes into them): a snapshot is a copy.
+    saved = copy.deepcopy(opt_a.state_dict())
+    # The velocity is SGD's own momentum_buffer in the torch state: one per corrected
+    # parameter, holding exactly the flat velocity's values.
+    corrected = [p for p in model_a.parameters() if p.numel() >= 1024]
+    assert corrected and opt_a.velocities()
+    flat_velocity = torch.cat([v for _, v in sorted(opt_a.velocities().items())])
+    buffers = [opt_a.state[p]["momentum_buffer"] for p in corrected]
+    assert sorted(b.numel() for b in buffers) == sorted(p.numel() for p in corrected)
+    assert sum(b.numel() for b in buffers) == flat_velocity.numel()
+    index = {id(p): i for i, p in enumerate(opt_a.param_groups[0]["params"])}
+    for p in corrected:
+        assert torch.equal(
+            saved["state"][index[id(p)]]["momentum_buffer"], opt_a.state[p]["momentum_buffer"]
+        )
+        view = opt_a.state[p]["momentum_buffer"]
+        assert any(
+            view.data_ptr() >= v.data_ptr()
+            and view.data_ptr() < v.data_ptr() + v.numel() * v.element_size()
+            for v in opt_a.velocities().values()
+        )
     model_b, opt_b = make()
     model_b.load_state_dict(model_a.state_dict())
     opt_b.load_state_dict(saved)

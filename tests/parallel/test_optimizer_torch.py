@@ -278,28 +278,34 @@ def test_state_dict_round_trip_continues_identically():
         assert torch.equal(p, q)
 
 
-def test_sparse_embedding_gradients():
-    torch.manual_seed(5)
-    emb = torch.nn.Embedding(2000, 8, sparse=True)
-    opt = hvds.DistributedOptimizer(
-        torch.optim.SGD(emb.parameters(), lr=0.1), emb.named_parameters(), density=1.0
-    )
-    # The hook meets the sparse gradient during backward and refuses it on every rank.
-    with pytest.raises((ValueError, RuntimeError), match="sparse_as_dense"):
-        emb(torch.tensor([1, 2, 3])).sum().backward()
-    del opt
-    emb2 = torch.nn.Embedding(2000, 8, sparse=True)
-    opt2 = hvds.DistributedOptimizer(
-        torch.optim.SGD(emb2.parameters(), lr=0.1),
-        emb2.named_parameters(),
-        sparse_as_dense=True,
-        density=1.0,
-    )
-    emb2(torch.tensor([hvd.rank()])).sum().backward()
-    opt2.synchronize()
+@pytest.mark.parametrize("density", [1.0, 0.01])
+def test_sparse_embedding_gradients(density):
+    """Sparse gradients are allgathered as Horovod does (no selection: they are sparse
+    already) and stay sparse; with sparse_as_dense they are reduced densely and made
+    sparse again. Both equal the dense average."""
+    rows = torch.tensor([hvd.rank(), 1000 + hvd.rank(), 1999])
     expected = torch.zeros(2000, 8)
-    expected[: hvd.size()] = 1.0 / hvd.size()
-    torch.testing.assert_close(emb2.weight.grad, expected)
+    for r in range(hvd.size()):
+        expected[[r, 1000 + r]] += 1.0 / hvd.size()
+    expected[1999] = 1.0
+    for sparse_as_dense in (False, True):
+        torch.manual_seed(5)
+        emb = torch.nn.Embedding(2000, 8, sparse=True)
+        opt = hvds.DistributedOptimizer(
+            torch.optim.SGD(emb.parameters(), lr=0.1),
+            emb.named_parameters(),
+            sparse_as_dense=sparse_as_dense,
+            density=density,
+        )
+        before = emb.weight.detach().clone()
+        emb(rows).sum().backward()
+        opt.synchronize()
+        assert emb.weight.grad.is_sparse
+        torch.testing.assert_close(emb.weight.grad.to_dense(), expected)
+        with opt.skip_synchronize():
+            opt.step()
+        torch.testing.assert_close(emb.weight.detach(), before - 0.1 * expected)
+        assert_identical_on_all_ranks(emb, f"sparse-grad.{density}.{sparse_as_dense}")
 
 
 class ClippedSGD(hvds.SparseOptimizerMixin, torch.optim.SGD):

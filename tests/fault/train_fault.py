@@ -1,0 +1,77 @@
+"""Worker of the fault test: plain (non-elastic) data-parallel SGD; one rank dies.
+
+Rank ``--kill-rank`` writes the wall-clock time to ``killed.json`` and kills itself with
+SIGKILL at step ``--kill-at``. Every other rank trains until a collective fails, then
+writes ``survivor.<rank>.json`` (exception type and message, wall-clock time of the
+failure) and exits non-zero. A rank that finishes every step writes ``finished.<rank>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+
+import horovod_sparse.torch as hvds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--optimizer", choices=("dense", "sparse"), default="sparse")
+    parser.add_argument("--kill-rank", type=int, default=1)
+    parser.add_argument("--kill-at", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=100000)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+
+    hvd.init()
+    rank = hvd.rank()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)
+    )
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if args.optimizer == "sparse":
+        opt = hvds.DistributedOptimizer(sgd, model.named_parameters(), density=0.01)
+    else:
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+    step = 0
+    try:
+        for step in range(args.steps):
+            if step == args.kill_at and rank == args.kill_rank:
+                marker = {"rank": rank, "step": step, "time": time.time(), "pid": os.getpid()}
+                (out / "killed.json").write_text(json.dumps(marker))
+                os.kill(os.getpid(), signal.SIGKILL)
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x = torch.randn(32, 256, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), x).backward()
+            opt.step()
+    except BaseException as exc:
+        failure = {
+            "rank": rank,
+            "step": step,
+            "time": time.time(),
+            "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+            "message": str(exc),
+        }
+        (out / f"survivor.{rank}.json").write_text(json.dumps(failure))
+        print(f"rank {rank} failed at step {step}: {failure['type']}: {exc}", file=sys.stderr)
+        return 1
+    (out / f"finished.{rank}").write_text(str(step))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
