@@ -315,6 +315,7 @@ class SparseOptimizerMixin:
         self._trace = None
         self._fusion_runs = []
         self._step_records = []
+        self._sparse_gathers = {}
         self._should_synchronize = True
         self._synchronized = False
 
@@ -370,7 +371,13 @@ class SparseOptimizerMixin:
     ) -> list[tuple[str, torch.Tensor]]:
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         if named_parameters is None:
-            named = [(f"param.{i}", p) for i, p in enumerate(params)]
+            # Horovod's names for unnamed parameters: group index, then position.
+            named = [
+                (f"allreduce.noname.{i}.{j}", p)
+                for i, group in enumerate(self.param_groups)
+                for j, p in enumerate(group["params"])
+                if p.requires_grad
+            ]
         else:
             named = [(n, p) for n, p in named_parameters]
             names = [n for n, _ in named]
@@ -811,13 +818,24 @@ class SparseOptimizerMixin:
             self._should_synchronize = True
 
     def step(self, closure: Any = None) -> Any:
-        if not self._member or _called_by_horovod_state_broadcast():
+        if not self._member:
+            return self._local_step(closure)
+        if _called_by_horovod_state_broadcast():
             # Horovod's broadcast_optimizer_state steps an optimizer whose state is
             # empty with zero gradients, on the ranks where it is empty only, to create
             # that state. Horovod's own optimizer then takes the wrapped optimizer's
             # local step; so does this one, or those ranks would wait in an exchange
-            # that the others never join.
-            return self._local_step(closure)
+            # that the others never join. Unlike Horovod's, it leaves the parameters as
+            # they were: weight decay would otherwise move them on those ranks only,
+            # after the user's broadcast_parameters.
+            with torch.no_grad():
+                params = [p for group in self.param_groups for p in group["params"]]
+                before = [p.detach().clone() for p in params]
+                try:
+                    return self._local_step(closure)
+                finally:
+                    for p, value in zip(params, before):
+                        p.copy_(value)
         if self._deferred is not None:
             if not self._should_synchronize:
                 raise RuntimeError(
@@ -907,6 +925,9 @@ class SparseOptimizerMixin:
         rank or world size.
         """
         self.flush()
+        root = _horovod_state_broadcast_root()
+        if root is not None and self._member:
+            self._take_shared_state_from(root)
         state = super().state_dict()
         if not self._member:
             return state
@@ -920,6 +941,37 @@ class SparseOptimizerMixin:
             },
         }
         return state
+
+    def _take_shared_state_from(self, root: int) -> None:
+        """What every rank must agree on, taken from ``root`` (one small collective):
+        each sparse bucket's step count (the density schedule, the scheduler's
+        decisions) and partition boundaries.
+
+        Horovod's ``broadcast_optimizer_state`` calls ``state_dict()`` first on every
+        rank, then broadcasts the wrapped optimizer's state and hyperparameters only.
+        After a restore on the root alone, the ranks would otherwise disagree on which
+        steps are dense or when the scheduler decides, and wait in different collectives.
+        """
+        mine = {
+            slot.bucket.name: (
+                slot.reducer.step,
+                list(slot.reducer.boundaries),
+                slot.reducer.force_dense,
+            )
+            for slot in self._sparse_slots()
+        }
+        everyone = allgather_object(mine, "hvds.opt.shared_state", self.process_set)
+        members = getattr(self.process_set, "ranks", None) or list(range(len(everyone)))
+        theirs = everyone[members.index(root)]
+        for slot in self._sparse_slots():
+            slot.reducer.step, boundaries, _ = theirs[slot.bucket.name]
+            slot.reducer.boundaries = list(boundaries)
+        if self._scheduler is not None and self._sparse_slots():
+            for choice, slot in zip(self._scheduler.choices, self._sparse_slots()):
+                choice.switch(theirs[slot.bucket.name][2])
+            self._apply_schedule()
+            self._scheduler.restart(self._sparse_slots()[0].reducer.step)
+            self._step_began = None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`. Residuals and velocities follow this policy:
@@ -1018,6 +1070,28 @@ class _SparseGather:
         ).coalesce()
 
 
+def _horovod_state_broadcast_root() -> int | None:
+    """The root rank when ``state_dict()`` is the first call of Horovod's
+    ``broadcast_optimizer_state``, which every rank makes; else None. (A second call
+    follows a state-creating step on some ranks only, so it must send nothing.)"""
+    frame = sys._getframe(2)  # the caller of state_dict()
+    for _ in range(3):
+        if frame is None:
+            return None
+        if _is_horovod_state_broadcast(frame):
+            if "state_dict" in frame.f_locals:  # its result of the first call
+                return None
+            return int(frame.f_locals["root_rank"])
+        frame = frame.f_back
+    return None
+
+
+def _is_horovod_state_broadcast(frame: Any) -> bool:
+    return frame.f_code.co_name == "broadcast_optimizer_state" and str(
+        frame.f_globals.get("__name__", "")
+    ).startswith("horovod.torch")
+
+
 def _called_by_horovod_state_broadcast() -> bool:
     """Whether ``step()`` was called by Horovod's ``broadcast_optimizer_state`` (directly,
     or through a subclass's ``step``), which steps only the ranks whose state is empty."""
@@ -1025,9 +1099,7 @@ def _called_by_horovod_state_broadcast() -> bool:
     for _ in range(3):
         if frame is None:
             return False
-        if frame.f_code.co_name == "broadcast_optimizer_state" and str(
-            frame.f_globals.get("__name__", "")
-        ).startswith("horovod.torch"):
+        if _is_horovod_state_broadcast(frame):
             return True
         frame = frame.f_back
     return False

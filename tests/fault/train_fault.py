@@ -1,9 +1,22 @@
 """Worker of the fault test: plain (non-elastic) data-parallel SGD; one rank dies.
 
-Rank ``--kill-rank`` writes the wall-clock time to ``killed.json`` and kills itself with
+Every rank writes ``ready.<rank>.json`` (its pid) after ``hvd.init()``. Rank
+``--kill-rank`` writes the wall-clock time to ``killed.json`` and kills itself with
 SIGKILL at step ``--kill-at``. Every other rank trains until a collective fails, then
-writes ``survivor.<rank>.json`` (exception type and message, wall-clock time of the
-failure) and exits non-zero. A rank that finishes every step writes ``finished.<rank>``.
+writes ``survivor.<rank>.json`` (exception type and message, the last frames of its
+traceback, wall-clock time of the failure) and exits with status 1 at once
+(``os._exit``). A rank that finishes every step writes ``finished.<rank>``.
+
+Why at once: Horovod closes its Gloo connections only when the process ends, so a
+survivor waiting on another survivor (not on the dead rank) learns of the failure only
+when that peer's process is gone. A normal interpreter exit takes one to several seconds
+here, and the failure would crawl from rank to rank at that pace.
+
+A non-elastic ``horovodrun`` terminates the remaining workers (SIGTERM, then SIGKILL five
+seconds later) once one of them exits non-zero, so a survivor stuck in a collective would
+still be ended by the launcher, and SIGTERM could cut a survivor short before it reports.
+Workers here therefore ignore SIGTERM: a survivor that writes ``survivor.<rank>.json``
+raised its error on its own; one stuck in a collective is SIGKILLed without a report.
 """
 
 from __future__ import annotations
@@ -14,6 +27,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import horovod.torch as hvd
@@ -34,6 +48,8 @@ def main() -> int:
 
     hvd.init()
     rank = hvd.rank()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    (out / f"ready.{rank}.json").write_text(json.dumps({"rank": rank, "pid": os.getpid()}))
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -65,10 +81,16 @@ def main() -> int:
             "time": time.time(),
             "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
             "message": str(exc),
+            "frames": [
+                f"{Path(f.filename).name}:{f.lineno}:{f.name}"
+                for f in traceback.extract_tb(exc.__traceback__)[-4:]
+            ],
         }
         (out / f"survivor.{rank}.json").write_text(json.dumps(failure))
         print(f"rank {rank} failed at step {step}: {failure['type']}: {exc}", file=sys.stderr)
-        return 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     (out / f"finished.{rank}").write_text(str(step))
     return 0
 
