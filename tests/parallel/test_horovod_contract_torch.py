@@ -262,9 +262,11 @@ GROUPINGS = {
 }
 
 
-def grouped(make, grouping):
+def three_sgd_steps(make, options_of=lambda model: {}):
+    """Three SGD steps with the optimizer options ``options_of(model)``; the parameters,
+    then the reduced gradients of each step."""
     model = net()
-    opt = make(sgd(model.parameters()), model.named_parameters(), **grouping(model))
+    opt = make(sgd(model.parameters()), model.named_parameters(), **options_of(model))
     reduced = []
     for step in range(3):
         opt.zero_grad()
@@ -272,6 +274,10 @@ def grouped(make, grouping):
         opt.step()
         reduced += gradients(model)
     return parameters(model) + reduced
+
+
+def grouped(make, grouping):
+    return three_sgd_steps(make, grouping)
 
 
 @pytest.mark.filterwarnings("ignore:Parameter `num_groups`:DeprecationWarning")
@@ -315,15 +321,7 @@ def test_process_set_of_even_ranks_built_on_every_rank():
 
 
 def fp16_compressed(make):
-    model = net()
-    opt = make(sgd(model.parameters()), model.named_parameters(), compression=hvd.Compression.fp16)
-    reduced = []
-    for step in range(3):
-        opt.zero_grad()
-        loss_at(model, step).backward()
-        opt.step()
-        reduced += gradients(model)
-    return parameters(model) + reduced
+    return three_sgd_steps(make, lambda model: {"compression": hvd.Compression.fp16})
 
 
 def test_fp16_compression():

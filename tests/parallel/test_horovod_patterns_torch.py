@@ -228,3 +228,14 @@ def test_mixed_model_corrects_only_its_sparse_buckets():
     native = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in small])
     assert_same_on_every_rank(native, "mixed.native")
     assert_same_on_every_rank(flat_params(model), "mixed.params")
+
+
+def test_adasum_is_refused_on_every_rank_before_any_collective():
+    """Only the last rank asks for Adasum: every rank raises, naming it, and none waits."""
+    model = mlp()
+    op = hvd.Adasum if hvd.rank() == hvd.size() - 1 else hvd.Average
+    with pytest.raises(ValueError, match="op=Average and op=Sum"):
+        hvds.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), op=op
+        )
+    hvd.barrier()  # every rank got here: nothing is left waiting in a collective
