@@ -325,19 +325,25 @@ def fp16_compressed(make):
 
 
 def test_fp16_compression():
-    """The first step equals Horovod's. After it the sparse optimizer differs on purpose:
+    """At 2 ranks the first step equals Horovod's (at 3 and 4 the fp16 sums run in
+    another order, so they agree to one fp16 rounding). After it the sparse optimizer
+    differs on purpose:
     on its sparse buckets the fp16 rounding of a step stays in the residual and is sent
     with the next step (no mass dropped), where Horovod discards it. The difference is
-    then of the order of one fp16 rounding of the gradients (measured 2.3e-5)."""
+    then one fp16 rounding of the gradients (measured: 2.3e-5 in the parameters,
+    one fp16 ulp in a reduced gradient)."""
     ref = fp16_compressed(horovod)
     got = fp16_compressed(sparse)
     ref_agree = ranks_agree(ref, "agree.fp16.horovod")
     got_agree = ranks_agree(got, "agree.fp16.sparse")
     params = len(list(net().parameters()))
     first_step = slice(params, 2 * params)
-    assert_same(got[first_step], ref[first_step])
+    if hvd.size() == 2:  # one addition: the same fp16 sum, bit for bit
+        assert_same(got[first_step], ref[first_step])
+    # One fp16 rounding: a relative 2**-10 (a reduced gradient may land one fp16 ulp
+    # away, measured 1.2e-4 at 0.13), plus 1e-4 absolute near zero.
     for g, r in zip(got, ref):
-        torch.testing.assert_close(g, r, rtol=0.0, atol=1e-4)
+        torch.testing.assert_close(g, r, rtol=2**-10, atol=1e-4)
     assert ref_agree, "hvd.DistributedOptimizer: ranks differ"
     assert got_agree, "ranks differ"
 
