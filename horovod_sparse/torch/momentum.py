@@ -127,7 +127,11 @@ class Correction:
 
     def adopt_state(self) -> None:
         """Make the wrapped optimizer's state entries of corrected parameters views of the
-        flat buffers again, taking their values (after ``load_state_dict`` replaced them)."""
+        flat buffers again, taking their values (after ``load_state_dict`` replaced them).
+
+        ``load_state_dict`` also replaces the group dicts: hyperparameters are read from
+        the new ones from now on."""
+        self._groups = {p: group for group in self.optimizer.param_groups for p in group["params"]}
         for param in self.covered:
             state = self.optimizer.state.get(param)
             if state:

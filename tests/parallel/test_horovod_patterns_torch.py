@@ -239,3 +239,25 @@ def test_adasum_is_refused_on_every_rank_before_any_collective():
             torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), op=op
         )
     hvd.barrier()  # every rank got here: nothing is left waiting in a collective
+
+
+def test_loaded_hyperparameters_drive_the_correction():
+    """A checkpoint written with momentum 0.5, loaded into an optimizer built with 0.9:
+    the correction's velocity then follows 0.5, exactly as the run that wrote it."""
+
+    def build_with(momentum):
+        model = mlp()
+        wrapped = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+        opt = hvds.DistributedOptimizer(wrapped, model.named_parameters(), density=0.01)
+        return model, opt
+
+    model_a, opt_a = build_with(0.5)
+    train(model_a, opt_a, 2)
+    saved = copy.deepcopy((model_a.state_dict(), opt_a.state_dict()))
+    train(model_a, opt_a, 3, first=2)
+    model_b, opt_b = build_with(0.9)
+    model_b.load_state_dict(saved[0])
+    opt_b.load_state_dict(saved[1])
+    assert opt_b.param_groups[0]["momentum"] == 0.5 and opt_b.momentum_correction
+    train(model_b, opt_b, 3, first=2)
+    assert torch.equal(flat_params(model_a), flat_params(model_b))
