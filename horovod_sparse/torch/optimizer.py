@@ -878,7 +878,7 @@ class SparseOptimizerMixin:
                 p.grad = grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._sparse_gathers or any(slot.stage is not None for slot in self._buckets):
+        if any(slot.stage is not None for slot in self._buckets):
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "

@@ -261,3 +261,33 @@ def test_loaded_hyperparameters_drive_the_correction():
     assert opt_b.param_groups[0]["momentum"] == 0.5 and opt_b.momentum_correction
     train(model_b, opt_b, 3, first=2)
     assert torch.equal(flat_params(model_a), flat_params(model_b))
+
+
+def test_sparse_gradients_with_overlap_follow_the_plain_trajectory():
+    """An embedding with sparse gradients next to dense layers, all-gathers deferred to
+    the next forward: the same parameters as without overlap, on every rank."""
+
+    def run(overlap: bool) -> torch.Tensor:
+        torch.manual_seed(4)
+        embedding = torch.nn.Embedding(300, 16, sparse=True)
+        model = torch.nn.Sequential(embedding, torch.nn.Linear(16, 4))
+        options = {"overlap_allgather": True, "model": model} if overlap else {}
+        opt = hvds.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model.named_parameters(),
+            density=0.01,
+            min_sparse_numel=32,
+            **options,
+        )
+        for step in range(4):
+            g = torch.Generator().manual_seed(100 * step + hvd.rank())
+            tokens = torch.randint(0, 300, (8,), generator=g)
+            opt.zero_grad()
+            model(tokens).pow(2).mean().backward()
+            opt.step()
+        opt.flush()
+        return flat_params(model)
+
+    plain, overlapped = run(False), run(True)
+    assert torch.equal(plain, overlapped)
+    assert_same_on_every_rank(overlapped, "sparse-grad.overlap")
