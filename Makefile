@@ -12,6 +12,8 @@ bootstrap:
 lint: bootstrap
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy --strict --no-warn-unused-configs horovod_sparse/common  # imports no framework
+	$(VENV)/bin/mypy horovod_sparse
 
 unit: bootstrap
 	$(RUN) $(PY) -m pytest -q -p no:cacheprovider tests/unit

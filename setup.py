@@ -24,7 +24,7 @@ setup(
     extras_require={
         "torch": ["torch>=2.0"],
         "tensorflow": ["tensorflow>=2.16"],
-        "dev": ["pytest", "pytest-timeout", "ruff", "matplotlib", "scikit-learn"],
+        "dev": ["pytest", "pytest-timeout", "ruff", "mypy", "matplotlib", "scikit-learn"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -43,6 +43,7 @@ class Task:
     metric: str  # key of the curve points and of the summary's final value
     label: str
     higher_is_better: bool
+    script_args: tuple[str, ...] = ()  # passed to the script before the mode's
 
 
 TASKS = {
@@ -59,6 +60,15 @@ TASKS = {
         "test_acc",
         "test accuracy (%)",
         True,
+    ),
+    "keras_digits_adam": Task(
+        "keras_digits_adam",
+        "examples/tensorflow2/keras_digits.py",
+        600,
+        "test_acc",
+        "test accuracy (%)",
+        True,
+        ("--optimizer", "adam"),
     ),
 }
 
@@ -95,6 +105,7 @@ def run_one(
         "--gloo",
         sys.executable,
         str(ROOT / task.script),
+        *task.script_args,
         *MODES[mode],
         "--steps",
         str(task.steps),
@@ -223,7 +234,7 @@ def plot(results: dict[tuple[str, int, str], dict], plots: Path) -> list[Path]:
     return written
 
 
-def main() -> None:
+def main() -> None:  # noqa: C901 - a script's linear flow: arguments, runs, tables
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--sizes", default="2,4")

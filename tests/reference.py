@@ -1,7 +1,7 @@
 """Single-process NumPy reference of one sparse allreduce step over all ranks.
 
 Both the PyTorch and the TensorFlow suites compare against this one implementation.
-It follows DESIGN section 1 literally, with no communication: every rank's accumulator
+It follows docs/design.md §2 literally, with no communication: every rank's accumulator
 is given, and every rank's residual after the step is returned.
 """
 

@@ -112,7 +112,10 @@ def main() -> None:
     parser.add_argument("--no-error-feedback", action="store_true", help="ablation")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.02, help="per rank; scaled by P")
+    parser.add_argument(
+        "--lr", type=float, default=None, help="per rank; scaled by P (SGD 0.02, Adam 0.001)"
+    )
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--json", default=None, help="write the curves here (rank 0)")
@@ -132,8 +135,14 @@ def main() -> None:
     )
 
     model = make_model()
+    if args.optimizer == "adam":
+        lr = 0.001 if args.lr is None else args.lr
+        inner = keras.optimizers.Adam(learning_rate=lr * hvd.size())
+    else:
+        lr = 0.02 if args.lr is None else args.lr
+        inner = keras.optimizers.SGD(learning_rate=lr * hvd.size(), momentum=0.9)
     optimizer = hvds_keras.DistributedOptimizer(
-        keras.optimizers.SGD(learning_rate=args.lr * hvd.size(), momentum=0.9),
+        inner,
         density=args.density,
         error_feedback=not args.no_error_feedback,
     )
@@ -156,7 +165,7 @@ def main() -> None:
     flat = tf.concat([tf.reshape(w, [-1]) for w in model.weights], axis=0)
     high, low = (hvd.allreduce(flat, op=op, name=f"p{op}") for op in (hvd.Max, hvd.Min))
     summary = {
-        "task": "keras_digits",
+        "task": "keras_digits" if args.optimizer == "sgd" else "keras_digits_adam",
         "mode": mode,
         "density": args.density,
         "error_feedback": not args.no_error_feedback,

@@ -2,17 +2,55 @@
 
 The stage modules of :mod:`horovod_sparse.common` are written once against this
 interface; ``horovod_sparse.torch`` and ``horovod_sparse.tensorflow`` implement it.
-Sizes, ranks and boundaries are host ints; everything else may stay a device tensor.
+Sizes and ranks are host ints; everything else may stay a device tensor.
 A "scalar" is either a host number or a 0-d tensor (TF keeps them in the graph).
+
+State that changes from step to step (a reused threshold, a step count, partition
+boundaries) lives in a :class:`Cell` that the backend makes: a plain Python box for
+PyTorch, whose step runs eagerly, and a ``tf.Variable`` for TensorFlow, so a
+``tf.function`` traced once still reads and updates it on every call. Decisions that
+depend on such state go through :meth:`Backend.cond`: a Python ``if`` on a host value,
+``tf.cond`` on a graph tensor.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
-__all__ = ["Backend", "Tensor"]
+__all__ = ["Backend", "Cell", "HostCell", "ProcessSetQueries", "Tensor"]
 
 Tensor = Any  # a framework tensor: torch.Tensor or tf.Tensor
+
+
+class Cell(Protocol):
+    """One value of per-bucket state that persists between steps."""
+
+    def get(self) -> Any: ...
+    def set(self, value: Any) -> None: ...
+
+
+class HostCell:
+    """A :class:`Cell` held by Python: right wherever every step runs the Python code."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def get(self) -> Any:
+        return self.value
+
+    def set(self, value: Any) -> None:
+        self.value = value
+
+
+class ProcessSetQueries:
+    """The process-set primitives of :class:`Backend`, the same in every framework:
+    Horovod's ``ProcessSet`` answers them itself. Backends inherit them."""
+
+    def rank(self, process_set: Any) -> int:
+        return int(process_set.rank())
+
+    def size(self, process_set: Any) -> int:
+        return int(process_set.size())
 
 
 class Backend(Protocol):
@@ -22,8 +60,23 @@ class Backend(Protocol):
     def rank(self, process_set: Any) -> int: ...
     def size(self, process_set: Any) -> int: ...
 
+    # ---- state and control flow
+    def cell(self, initial: Any, like: Tensor | None = None) -> Cell:
+        """State that persists between steps: a host int or bool, a list of host ints
+        (boundaries), or, given ``like``, a scalar in ``like``'s dtype."""
+
+    def cond(self, pred: Any, then: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
+        """``then()`` if ``pred`` else ``otherwise()``; both return the same structure."""
+
+    def on_host(self, function: Callable[[list[int]], list[int]], counts: Tensor) -> Any:
+        """``function`` of the host list of int ``counts``, at run time (a host round
+        trip), as a host list or, in a graph, an int64 tensor."""
+
     # ---- dense arithmetic and bookkeeping
     def zeros(self, numel: int, like: Tensor) -> Tensor: ...
+    def length(self, tensor: Tensor) -> int:
+        """Static first dimension of a bucket-sized tensor (a host int)."""
+
     def num_rows(self, tensor: Tensor) -> Any:
         """First dimension (host int or scalar tensor)."""
 
@@ -65,7 +118,7 @@ class Backend(Protocol):
     def position_histogram(self, indices: Tensor, numel: int, bins: int) -> Tensor:
         """int32[bins]: how many ``indices`` fall in each of ``bins`` equal bins of [0, n)."""
 
-    def to_host_list(self, tensor: Tensor) -> list: ...
+    def to_host_list(self, tensor: Tensor) -> list[Any]: ...
 
     def take(self, values: Tensor, indices: Tensor) -> Tensor: ...
     def zero_at(self, buffer: Tensor, indices: Tensor) -> Tensor:
@@ -77,10 +130,11 @@ class Backend(Protocol):
     def shift(self, indices: Tensor, offset: int) -> Tensor: ...
 
     # ---- partition and packing
-    def region_counts(self, sorted_indices: Tensor, boundaries: list[int]) -> Any:
-        """Entries of the ascending ``sorted_indices`` per region: the alltoall splits."""
+    def region_counts(self, sorted_indices: Tensor, boundaries: Any) -> Any:
+        """Entries of the ascending ``sorted_indices`` per region: the alltoall splits.
+        ``boundaries``: P + 1 host ints, or an int64 tensor of them (a cell's value)."""
 
-    def region_offsets(self, sorted_indices: Tensor, boundaries: list[int]) -> Tensor:
+    def region_offsets(self, sorted_indices: Tensor, boundaries: Any) -> Tensor:
         """Per index, the start of the region it falls in."""
 
     def pack_rows(self, indices: Tensor, offset: Any, values: Tensor) -> Tensor:

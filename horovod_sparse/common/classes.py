@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 __all__ = ["combined_class"]
 
-_COMBINED: dict[tuple[type, type], type] = {}
+M = TypeVar("M")
+
+_COMBINED: dict[tuple[type, type], type[Any]] = {}
 
 
 def combined_class(
-    mixin: type, base: type, module: str, register: Callable[[type], type] | None = None
-) -> type:
+    mixin: type[M], base: type, module: str, register: Callable[[type], type] | None = None
+) -> type[M]:
     """``class Sparse<Base>(mixin, base)``, created once and cached.
 
     The class is a real subclass (zero-argument ``super()`` in the mixin reaches

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 __all__ = [
     "DEFAULT_FUSION_THRESHOLD_BYTES",
+    "OPTION_NAMES",
+    "PER_TENSOR_OPTIONS",
     "SparseConfig",
     "budget",
     "fusion_threshold_bytes",
+    "make_config",
     "optimizer_scales",
     "reduction_scales",
+    "take_options",
 ]
 
 # Horovod's own default fusion buffer (HOROVOD_FUSION_THRESHOLD): 128 MiB.
@@ -20,6 +25,8 @@ DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
 
 SELECTION_METHODS = ("exact", "threshold")
 PARTITION_METHODS = ("uniform", "balanced")
+SCHEDULERS = ("fixed", "auto")
+OVERLAP_SETTINGS = (False, True, "auto")
 
 
 def fusion_threshold_bytes(override: int | None = None) -> int:
@@ -41,11 +48,16 @@ def budget(numel: int, density: float) -> int:
 
 @dataclass(frozen=True)
 class SparseConfig:
-    """Hyperparameters of the sparse allreduce.
+    """Every option of the sparse allreduce, defined and validated here once.
+
+    Each adapter (the torch optimizer and ``sparse_allreduce``, the TF tape, Keras
+    optimizer and ``sparse_allreduce``) takes these as keywords next to Horovod's own
+    arguments and builds one :class:`SparseConfig` from them (:func:`make_config`), so
+    adding an option is one edit here plus the adapter code that acts on it.
 
     Attributes:
         density: target fraction of entries exchanged per bucket, in (0, 1].
-        min_sparse_numel: tensors with fewer elements go through dense ``hvd.allreduce``
+        min_sparse_numel: tensors with fewer elements go through a dense allreduce
             (a sparse exchange of a bias vector costs more latency than it saves bytes).
         selection: local selection: ``"threshold"`` (a sampled threshold reused for
             ``reestimate_steps`` steps, then the top k of the few entries above it) or
@@ -60,12 +72,24 @@ class SparseConfig:
             geometrically from 1 to ``density`` (as in DGC); 0 jumps straight to it.
         dense_fusion_bytes: on a step where adjacent buckets are all dense (a
             scheduler's choice, warm-up, density 1), they are reduced as one allreduce of
-            at most this many bytes (:mod:`~horovod_sparse.common.fusion`; PyTorch only).
-            ``None`` follows ``HOROVOD_FUSION_THRESHOLD`` (Horovod's dense fusion, 128 MiB
-            by default); 0 reduces each bucket alone.
+            at most this many bytes (:mod:`~horovod_sparse.common.fusion`). ``None``
+            follows ``HOROVOD_FUSION_THRESHOLD`` (Horovod's dense fusion, 128 MiB by
+            default); 0 reduces each bucket alone.
         error_feedback: keep unsent entries in the residual for later steps. ``False``
             drops them at the end of every step; it exists for ablation studies and
             loses gradient mass by design.
+        momentum_correction: run the optimizer's momentum on each rank's gradient before
+            the exchange (DGC): ``None`` turns it on where it applies (a sparse exchange
+            under SGD with momentum, or Adam/AdamW), ``True`` insists, ``False`` leaves
+            the wrapped optimizer as it is.
+        overlap_allgather: ``True`` defers each bucket's all-gather and update to a
+            forward pre-hook of the next iteration; ``"auto"`` lets trials of whole-step
+            time decide (PyTorch; needs the model).
+        scheduler: ``"fixed"`` (every large bucket sparse) or ``"auto"`` (dense or
+            sparse per bucket, from measured costs; PyTorch).
+        scheduler_steps: steps between the automatic scheduler's decisions.
+        trace: write a Chrome trace of the exchange to this path (``{rank}`` is
+            replaced; PyTorch).
     """
 
     density: float = 0.01
@@ -79,36 +103,38 @@ class SparseConfig:
     density_decay_steps: int = 0
     dense_fusion_bytes: int | None = None
     error_feedback: bool = True
+    momentum_correction: bool | None = None
+    overlap_allgather: bool | str = False
+    scheduler: str = "fixed"
+    scheduler_steps: int = 100
+    trace: str | None = None
 
     def __post_init__(self) -> None:
-        density = self.density
-        if isinstance(density, bool) or not isinstance(density, (int, float)):
-            raise TypeError(f"density must be a number in (0, 1], got {density!r}")
-        if not (0.0 < float(density) <= 1.0) or math.isnan(float(density)):
-            raise ValueError(
-                f"density must be in (0, 1], got {density!r}; use 1.0 for a dense exchange "
-                "or e.g. 0.01 to send 1% of the entries"
-            )
-        if int(self.min_sparse_numel) < 0:
-            raise ValueError(f"min_sparse_numel must be >= 0, got {self.min_sparse_numel}")
-        if self.selection not in SELECTION_METHODS:
-            raise ValueError(
-                f"selection must be one of {SELECTION_METHODS}, got {self.selection!r}"
-            )
-        if self.partition not in PARTITION_METHODS:
-            raise ValueError(
-                f"partition must be one of {PARTITION_METHODS}, got {self.partition!r}"
-            )
-        for knob in ("reestimate_steps", "repartition_steps"):
-            if int(getattr(self, knob)) < 1:
-                raise ValueError(f"{knob} must be >= 1, got {getattr(self, knob)}")
-        for knob in ("warmup_steps", "density_decay_steps"):
-            if int(getattr(self, knob)) < 0:
-                raise ValueError(f"{knob} must be >= 0, got {getattr(self, knob)}")
+        _check_density(self.density)
+        _check_choice("selection", self.selection, SELECTION_METHODS)
+        _check_choice("partition", self.partition, PARTITION_METHODS)
+        _check_choice("scheduler", self.scheduler, SCHEDULERS)
+        _check_choice("overlap_allgather", self.overlap_allgather, OVERLAP_SETTINGS)
+        _check_choice("momentum_correction", self.momentum_correction, (None, True, False))
+        for knob in ("reestimate_steps", "repartition_steps", "scheduler_steps"):
+            _check_at_least(knob, getattr(self, knob), 1)
+        for knob in ("min_sparse_numel", "warmup_steps", "density_decay_steps"):
+            _check_at_least(knob, getattr(self, knob), 0)
         for knob in ("fusion_threshold_bytes", "dense_fusion_bytes"):
-            value = getattr(self, knob)
-            if value is not None and int(value) < 0:
-                raise ValueError(f"{knob} must be >= 0, got {value}")
+            if getattr(self, knob) is not None:
+                _check_at_least(knob, getattr(self, knob), 0)
+
+    def unsupported(self, where: str, supported: frozenset[str]) -> None:
+        """Refuse an option set away from its default that ``where`` does not act on.
+
+        Raises:
+            ValueError: naming the option and where it does not apply.
+        """
+        for spec in fields(self):
+            if spec.name not in supported and getattr(self, spec.name) != spec.default:
+                raise ValueError(
+                    f"{spec.name}={getattr(self, spec.name)!r} does not apply to {where}"
+                )
 
     @property
     def bucket_bytes(self) -> int:
@@ -125,14 +151,23 @@ class SparseConfig:
         """k for a bucket of ``numel`` elements at the target density."""
         return budget(numel, self.density)
 
-    def density_at(self, step: int) -> float:
+    def sparse_density_at(self, step: Any) -> float:
+        """:meth:`density_at` for a step known to be past warm-up; reads ``step`` only
+        while the density decays."""
+        if not self.density_decay_steps:
+            return float(self.density)
+        return self.density_at(step)
+
+    def density_at(self, step: Any) -> float:
         """Scheduled density of step ``step`` (0-based): 1 during warm-up, then a
         geometric decay to ``density`` over ``density_decay_steps``, then ``density``."""
+        if not (self.warmup_steps or self.density_decay_steps):
+            return float(self.density)  # no schedule: ``step`` is not read (it may be a tensor)
         if step < self.warmup_steps:
             return 1.0
         decayed = step - self.warmup_steps
         if decayed < self.density_decay_steps:
-            return float(self.density) ** ((decayed + 1) / self.density_decay_steps)
+            return float(float(self.density) ** ((decayed + 1) / self.density_decay_steps))
         return float(self.density)
 
 
@@ -168,3 +203,62 @@ def optimizer_scales(
             op, world_size, 1.0 / gradient_predivide_factor, gradient_predivide_factor
         )
     return reduction_scales(op, world_size)
+
+
+OPTION_NAMES = frozenset(spec.name for spec in fields(SparseConfig))
+# What a single-tensor sparse_allreduce acts on (no buckets, no optimizer, no hooks).
+PER_TENSOR_OPTIONS = frozenset(
+    (
+        "density",
+        "selection",
+        "partition",
+        "reestimate_steps",
+        "repartition_steps",
+        "warmup_steps",
+        "density_decay_steps",
+        "error_feedback",
+    )
+)
+
+
+def take_options(keywords: dict[str, Any]) -> dict[str, Any]:
+    """Remove the :class:`SparseConfig` options from ``keywords`` (an adapter's
+    ``**kwargs``, which may also hold the wrapped optimizer's own) and return them."""
+    return {name: keywords.pop(name) for name in list(keywords) if name in OPTION_NAMES}
+
+
+def make_config(options: dict[str, Any]) -> SparseConfig:
+    """A validated :class:`SparseConfig`; an unknown keyword is named in the error.
+
+    Raises:
+        TypeError: an unknown option, or a value of the wrong type.
+        ValueError: a value out of range.
+    """
+    unknown = sorted(set(options) - OPTION_NAMES)
+    if unknown:
+        raise TypeError(
+            f"unknown option(s) {', '.join(map(repr, unknown))}; the sparse options are "
+            f"{', '.join(sorted(OPTION_NAMES))}"
+        )
+    return SparseConfig(**options)
+
+
+def _check_density(density: Any) -> None:
+    if isinstance(density, bool) or not isinstance(density, (int, float)):
+        raise TypeError(f"density must be a number in (0, 1], got {density!r}")
+    if not (0.0 < float(density) <= 1.0) or math.isnan(float(density)):
+        raise ValueError(
+            f"density must be in (0, 1], got {density!r}; use 1.0 for a dense exchange "
+            "or e.g. 0.01 to send 1% of the entries"
+        )
+
+
+def _check_choice(knob: str, value: Any, choices: tuple[Any, ...]) -> None:
+    # ``is``/type-exact match: 1 must not pass for True, nor 0 for False.
+    if not any(value is c or (type(value) is type(c) and value == c) for c in choices):
+        raise ValueError(f"{knob} must be one of {choices}, got {value!r}")
+
+
+def _check_at_least(knob: str, value: Any, least: int) -> None:
+    if int(value) < least:
+        raise ValueError(f"{knob} must be >= {least}, got {value}")

@@ -20,16 +20,24 @@ class Partitioner(Protocol):
 
     ``boundaries(n, P)`` returns the initial ``P + 1`` non-decreasing ints with
     ``b[0] == 0`` and ``b[-1] == n``; rank j owns ``[b[j], b[j+1])``. ``update`` is called
-    every step with this rank's selected indices and may return new boundaries; when it
-    communicates, it must do so on the same steps on every rank.
+    every step with this rank's selected indices and the current boundaries and returns
+    the boundaries to use; when it communicates, it must do so on the same steps on
+    every rank (``step`` may be a graph tensor: decide through ``ops.cond``).
     """
 
     def boundaries(self, numel: int, world_size: int) -> list[int]: ...
 
     def update(
-        self, ops: Backend, indices: Tensor, numel: int, step: int, name: str, process_set: Any
-    ) -> tuple[list[int] | None, int]:
-        """``(new boundaries or None, payload bytes sent and received each way)``."""
+        self,
+        ops: Backend,
+        indices: Tensor,
+        current: Any,
+        numel: int,
+        step: Any,
+        name: str,
+        process_set: Any,
+    ) -> tuple[Any, Any]:
+        """``(boundaries, payload bytes sent and received each way)``."""
 
 
 class UniformPartition:
@@ -41,9 +49,16 @@ class UniformPartition:
         return [j * numel // world_size for j in range(world_size + 1)]
 
     def update(
-        self, ops: Backend, indices: Tensor, numel: int, step: int, name: str, process_set: Any
-    ) -> tuple[list[int] | None, int]:
-        return None, 0
+        self,
+        ops: Backend,
+        indices: Tensor,
+        current: Any,
+        numel: int,
+        step: Any,
+        name: str,
+        process_set: Any,
+    ) -> tuple[Any, Any]:
+        return current, 0
 
 
 def balanced_boundaries(bin_counts: list[int], numel: int, world_size: int) -> list[int]:
@@ -93,17 +108,30 @@ class BalancedPartition:
         return UniformPartition().boundaries(numel, world_size)
 
     def update(
-        self, ops: Backend, indices: Tensor, numel: int, step: int, name: str, process_set: Any
-    ) -> tuple[list[int] | None, int]:
-        if step % self.repartition_steps != 0:
-            return None, 0
+        self,
+        ops: Backend,
+        indices: Tensor,
+        current: Any,
+        numel: int,
+        step: Any,
+        name: str,
+        process_set: Any,
+    ) -> tuple[Any, Any]:
         world_size = ops.size(process_set)
         bins = max(1, min(numel, self.bins_per_rank * world_size))
-        local = ops.position_histogram(indices, numel, bins)
-        summed = ops.wait(ops.allreduce_sum_async(local, f"{name}.partition", process_set))
-        counts = ops.to_host_list(summed)
         one_way = 2 * bins * (world_size - 1) * 4 // world_size  # ring allreduce, int32
-        return balanced_boundaries(counts, numel, world_size), one_way
+
+        def recut() -> tuple[Any, Any]:
+            local = ops.position_histogram(indices, numel, bins)
+            summed = ops.wait(ops.allreduce_sum_async(local, f"{name}.partition", process_set))
+            # The cut is host arithmetic on the summed counts, the same on every rank.
+            cut = ops.on_host(lambda counts: balanced_boundaries(counts, numel, world_size), summed)
+            return cut, one_way
+
+        chosen: tuple[Any, Any] = ops.cond(
+            step % self.repartition_steps == 0, recut, lambda: (current, 0)
+        )
+        return chosen
 
 
 def make_partitioner(method: str, repartition_steps: int = 50) -> Partitioner:

@@ -1,4 +1,4 @@
-"""One bucket's sparse allreduce, DESIGN steps 2-7, written once for every framework.
+"""One bucket's sparse allreduce, docs/design.md §2 steps 2-7, written once for every framework.
 
 The work is split at the two collectives so an adapter can overlap them with
 computation: :meth:`BucketReducer.start` launches the reduce-scatter,
@@ -93,14 +93,16 @@ class BucketReducer:
         self.world_size = ops.size(process_set)
         self.selection = make_selection(config.selection, config.reestimate_steps)
         self.partitioner = make_partitioner(config.partition, config.repartition_steps)
-        self.boundaries = self.partitioner.boundaries(numel, self.world_size)
+        # Boundaries and the step count change from step to step: backend cells (host
+        # values under PyTorch, variables under TensorFlow; see common/backend.py).
+        self._boundaries = ops.cell(self.partitioner.boundaries(numel, self.world_size))
+        self._step = ops.cell(0)
         self.residual = ops.zeros(numel, like)
         # Host-side knowledge that the residual holds only zeros (true at the start and
         # after a dense step without lossy compression). A dense step then needs nothing
         # from it, and the adapter can reduce the bucket buffer itself: see
         # :attr:`dense_in_buffer`. Assigning ``residual`` clears it.
         self.residual_clear = True
-        self.step = 0  # steps started; drives the density schedule and the re-estimates
         # An adapter's momentum-correction velocity over the bucket, or None: entries this
         # rank selects are zeroed in it too (momentum factor masking).
         self.velocity: Tensor | None = None
@@ -110,6 +112,24 @@ class BucketReducer:
         self._dense_lost: Tensor | None = None  # compression rounding of a dense step
         self._dense_from_residual = False  # whether a dense step reduces the residual
         self._accounting: dict[str, Any] = {}
+
+    @property
+    def step(self) -> Any:
+        """Steps started; drives the density schedule and the partition updates."""
+        return self._step.get()
+
+    @step.setter
+    def step(self, value: Any) -> None:
+        self._step.set(value)
+
+    @property
+    def boundaries(self) -> Any:
+        """Owner regions: P + 1 host ints (a graph tensor of them under TensorFlow)."""
+        return self._boundaries.get()
+
+    @boundaries.setter
+    def boundaries(self, value: Any) -> None:
+        self._boundaries.set(value)
 
     @property
     def residual(self) -> Tensor:
@@ -155,17 +175,28 @@ class BucketReducer:
             self.numel
         )
 
-    def start(self, grad: Tensor | None, prescale: float = 1.0) -> ScatterInFlight:
+    def start(
+        self, grad: Tensor | None, prescale: float = 1.0, dense: bool | None = None
+    ) -> ScatterInFlight | GatherInFlight:
         """Error feedback, local selection, and the reduce-scatter launch.
 
         Sends: one alltoall of about k(P-1)/P rows (see
         :func:`~horovod_sparse.common.exchange.spar_reduce_scatter_start`).
         Keeps: the unselected entries of ``residual + prescale * grad`` as the new
         residual (plus the rounding of lossy value compression).
+
+        ``dense``: the step's kind when the caller decided it (a traced TF step takes
+        both kinds under a ``tf.cond`` on the step count); ``None``: :attr:`dense_step`.
         """
         ops = self.ops
         began = ops.clock()
-        self.k = budget(self.numel, self.config.density_at(self.step))
+        if dense is None:
+            dense = self.dense_step
+        # A sparse step is past any warm-up: its density does not read the step count
+        # unless the density decays (which TF does not offer), so a graph step need not.
+        self.k = (
+            self.numel if dense else budget(self.numel, self.config.sparse_density_at(self.step))
+        )
         step, self.step = self.step, self.step + 1
         # Step 2: error feedback; the residual buffer becomes the accumulator in place
         # (already done tensor by tensor through accumulate() when grad is None).
@@ -173,7 +204,7 @@ class BucketReducer:
             self.residual = ops.add_scaled_(self.residual, grad, prescale)
         self.residual_clear = False  # the gradients are in it (see accumulate())
         accumulator = self.residual
-        if self.k >= self.numel or self.force_dense:
+        if dense or self.k >= self.numel:
             return self._start_dense(accumulator, began)
         # Step 3: local selection; what is not selected stays in the residual.
         indices = self.selection.select(ops, accumulator, self.k)
@@ -188,13 +219,12 @@ class BucketReducer:
         selected = ops.clock(wire)
         # Step 4: partition (a balanced one may move the boundaries, on every rank alike).
         boundaries, partition_bytes = self.partitioner.update(
-            ops, indices, self.numel, step, self.name, self.process_set
+            ops, indices, self.boundaries, self.numel, step, self.name, self.process_set
         )
-        if boundaries is not None:
-            self.boundaries = boundaries
+        self.boundaries = boundaries
         # Step 5: Spar-Reduce-Scatter.
         sent = spar_reduce_scatter_start(
-            ops, indices, wire, self.boundaries, self.name, self.process_set
+            ops, indices, wire, boundaries, self.name, self.process_set
         )
         self._accounting = {
             "dense": 0,
@@ -523,7 +553,8 @@ class DenseBucketReducer:
         """:meth:`start` under the name :class:`BucketReducer` uses for a dense step."""
         return self.start(buffer, prescale)
 
-    def reduce_and_gather(self, inflight: GatherInFlight) -> GatherInFlight:
+    def reduce_and_gather(self, inflight: ScatterInFlight | GatherInFlight) -> GatherInFlight:
+        assert isinstance(inflight, GatherInFlight)  # a dense bucket has one stage
         return inflight
 
     def finish(

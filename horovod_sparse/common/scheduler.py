@@ -332,11 +332,29 @@ class AutoScheduler:
         whole step since the last decision, one broadcast of one value per bucket and
         two more.
         """
-        ops = self.ops
-        world = ops.size(self.process_set)
+        world = self.ops.size(self.process_set)
         link = self._probe_link(like, world) if self.choose_density else self.link
-        # Means over ranks of what each bucket measured since the last decision, and of
-        # each whole step (every rank counts the same steps: they are collective).
+        step_seconds = self._share_measurements(like, world, link)
+        current = tuple(choice.dense for choice in self.choices)
+        if self._trial_of is not None:
+            modes, overlap, trial = self._end_trial(self._trial_of, current, step_seconds)
+        else:
+            modes, overlap, trial = self._propose(current, step_seconds)
+        flags, overlap, trial = self._broadcast_choice(modes, overlap, trial, like)
+        self._start(current, flags, overlap, trial)
+        self._steps_to_skip = 1  # the next step carries this decision's probes
+        self.link = link
+        self.decisions += 1
+        now = self.next_decision if step is None else step
+        self.next_decision = now + (self.first if trial != NO_TRIAL else self.every)
+        return [choice.dense for choice in self.choices]
+
+    def _share_measurements(self, like: Tensor, world: int, link: LinkModel | None) -> float:
+        """Means over ranks of what each bucket measured since the last decision, into
+        its :class:`BucketChoice` with the predictions of ``link`` (where the density is
+        chosen); returns the median over this window's whole steps of their mean over
+        ranks (NaN if none). Every rank counts the same steps: they are collective."""
+        ops = self.ops
         windows = [x for choice in self.choices for x in choice.take_windows()]
         step_times, self._step_times = self._step_times, []
         summed = ops.to_host_list(
@@ -348,52 +366,80 @@ class AutoScheduler:
                 )
             )
         )
-        summed_steps = summed[len(windows) :]
-        step_seconds = statistics.median(summed_steps) / world if summed_steps else math.nan
         for index, choice in enumerate(self.choices):
-            local, n_local, dense_s, n_dense, sparse_s, n_sparse = summed[6 * index : 6 * index + 6]
-            if n_local:
-                choice.local_per_element = local / n_local
-            if n_dense:
-                choice.measured_dense = dense_s / n_dense
-            if n_sparse:
-                choice.measured_sparse = sparse_s / n_sparse
-            if link is None:
-                continue  # no density choice: nothing to predict
-            choice.predicted_dense = dense_seconds(link, choice.numel, choice.itemsize, world)
-            if not math.isnan(choice.local_per_element):
-                k = max(1, math.ceil(self.density * choice.numel))
-                choice.predicted_sparse = sparse_seconds(
-                    link, choice.numel, k, world, choice.local_per_element
-                )
-        current = tuple(choice.dense for choice in self.choices)
-        modes, overlap, trial = current, self.overlap, NO_TRIAL
-        if self._trial_of is not None:
-            # A trial ends: keep the tried setting only if whole steps got faster.
-            before, overlap_before, seconds_before = self._trial_of
-            kept = math.isnan(seconds_before) or step_seconds < seconds_before
-            self.trials.append(
-                TrialOutcome(
-                    before, current, seconds_before, step_seconds, kept, overlap_before, overlap
-                )
+            self._update_choice(choice, summed[6 * index : 6 * index + 6], link, world)
+        summed_steps = summed[len(windows) :]
+        return statistics.median(summed_steps) / world if summed_steps else math.nan
+
+    def _update_choice(
+        self, choice: BucketChoice, sums: list[float], link: LinkModel | None, world: int
+    ) -> None:
+        """One bucket's summed windows (local work, dense and sparse seconds, each as
+        sum and count) into its measured costs, and the predictions of ``link``."""
+        local, n_local, dense_s, n_dense, sparse_s, n_sparse = sums
+        if n_local:
+            choice.local_per_element = local / n_local
+        if n_dense:
+            choice.measured_dense = dense_s / n_dense
+        if n_sparse:
+            choice.measured_sparse = sparse_s / n_sparse
+        if link is None:
+            return  # no density choice: nothing to predict
+        choice.predicted_dense = dense_seconds(link, choice.numel, choice.itemsize, world)
+        if not math.isnan(choice.local_per_element):
+            k = max(1, math.ceil(self.density * choice.numel))
+            choice.predicted_sparse = sparse_seconds(
+                link, choice.numel, k, world, choice.local_per_element
             )
-            if not kept:
-                modes, overlap = before, overlap_before
-            self.step_seconds = step_seconds if kept else seconds_before
-            if overlap is not None and before != current:
-                # The other overlap setting may pay under the modes now chosen.
-                overlap, trial = not overlap, OVERLAP_TRIAL
-        else:
-            if not math.isnan(step_seconds):
-                self.step_seconds = step_seconds
-            if self.choose_density:
-                modes = tuple(choice.proposal() for choice in self.choices)
-            if modes != current:
-                trial = BUCKET_TRIAL
-            elif overlap is not None:
-                overlap, trial = not overlap, OVERLAP_TRIAL
-        # Rank 0's modes, overlap, and trial kind (which sets the next decision's step)
-        # for everyone: float rounding can never split the ranks.
+
+    def _end_trial(
+        self,
+        trial_of: tuple[tuple[bool, ...], bool | None, float],
+        current: tuple[bool, ...],
+        step_seconds: float,
+    ) -> tuple[tuple[bool, ...], bool | None, float]:
+        """A trial ends: keep the tried setting only if whole steps got faster. Returns
+        the modes, overlap and trial kind this rank proposes: after a bucket trial,
+        where the overlap is owned, a trial of the other overlap setting (it may pay
+        under the modes now chosen)."""
+        before, overlap_before, seconds_before = trial_of
+        modes, overlap, trial = current, self.overlap, NO_TRIAL
+        kept = math.isnan(seconds_before) or step_seconds < seconds_before
+        self.trials.append(
+            TrialOutcome(
+                before, current, seconds_before, step_seconds, kept, overlap_before, overlap
+            )
+        )
+        if not kept:
+            modes, overlap = before, overlap_before
+        self.step_seconds = step_seconds if kept else seconds_before
+        if overlap is not None and before != current:
+            overlap, trial = not overlap, OVERLAP_TRIAL
+        return modes, overlap, trial
+
+    def _propose(
+        self, current: tuple[bool, ...], step_seconds: float
+    ) -> tuple[tuple[bool, ...], bool | None, float]:
+        """No trial in progress: each bucket's mode from its own costs (a bucket trial
+        if that changes any), else the other overlap setting (where owned). Returns the
+        modes, overlap and trial kind this rank proposes."""
+        modes, overlap, trial = current, self.overlap, NO_TRIAL
+        if not math.isnan(step_seconds):
+            self.step_seconds = step_seconds
+        if self.choose_density:
+            modes = tuple(choice.proposal() for choice in self.choices)
+        if modes != current:
+            trial = BUCKET_TRIAL
+        elif overlap is not None:
+            overlap, trial = not overlap, OVERLAP_TRIAL
+        return modes, overlap, trial
+
+    def _broadcast_choice(
+        self, modes: tuple[bool, ...], overlap: bool | None, trial: float, like: Tensor
+    ) -> tuple[list[bool], bool | None, float]:
+        """Rank 0's modes, overlap, and trial kind (which sets the next decision's step)
+        for everyone: float rounding can never split the ranks."""
+        ops = self.ops
         *flags, overlap_flag, trial = ops.to_host_list(
             ops.broadcast(
                 ops.from_host([float(d) for d in modes] + [float(bool(overlap)), trial], like),
@@ -402,11 +448,15 @@ class AutoScheduler:
                 self.process_set,
             )
         )
-        flags = [bool(flag) for flag in flags]
-        overlap = bool(overlap_flag) if self.overlap is not None else None
-        # A trial is judged against the last window measured under the setting it
-        # leaves: the modes before a bucket trial, the other overlap setting for an
-        # overlap trial.
+        chosen_overlap = bool(overlap_flag) if self.overlap is not None else None
+        return [bool(flag) for flag in flags], chosen_overlap, trial
+
+    def _start(
+        self, current: tuple[bool, ...], flags: list[bool], overlap: bool | None, trial: float
+    ) -> None:
+        """Apply the broadcast choice. A trial is judged against the last window
+        measured under the setting it leaves: the modes before a bucket trial, the
+        other overlap setting for an overlap trial."""
         if trial == BUCKET_TRIAL:
             self._trial_of = (current, overlap, self.step_seconds)
         elif trial == OVERLAP_TRIAL:
@@ -416,12 +466,6 @@ class AutoScheduler:
         self.overlap = overlap
         for choice, flag in zip(self.choices, flags):
             choice.switch(flag)
-        self._steps_to_skip = 1  # the next step carries this decision's probes
-        self.link = link
-        self.decisions += 1
-        now = self.next_decision if step is None else step
-        self.next_decision = now + (self.first if trial != NO_TRIAL else self.every)
-        return [choice.dense for choice in self.choices]
 
     def _probe_link(self, like: Tensor, world: int) -> LinkModel:
         """Alpha and beta of the process set's link, from timed allreduces (the fastest

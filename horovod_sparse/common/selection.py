@@ -5,9 +5,10 @@ Sends nothing. Keeps everything it does not select (the caller leaves it in the 
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
-from horovod_sparse.common.backend import Backend, Tensor
+from horovod_sparse.common.backend import Backend, Cell, Tensor
 
 __all__ = ["ExactSelection", "LocalSelection", "ThresholdSelection", "make_selection"]
 
@@ -51,8 +52,9 @@ class ThresholdSelection:
     it, the threshold is re-estimated and the pass repeated, with exact topk as the
     last resort. So the count is always within the band.
 
-    Internal state: ``threshold`` (a device scalar), the call count, a stale flag.
-    Statistics: ``last_candidates`` (entries above the threshold at the last pass).
+    Internal state, in backend cells (a ``tf.Variable`` under TensorFlow, so a traced
+    step updates it on every call): ``threshold`` (a scalar in the bucket's dtype), the
+    call count, and a stale flag.
     """
 
     def __init__(
@@ -64,49 +66,84 @@ class ThresholdSelection:
         self.reestimate_steps = reestimate_steps
         self.band = band
         self.sample_size = sample_size
-        self.threshold: Tensor | None = None
-        self.calls = 0
-        self.stale = True  # re-estimate at the next call
-        self.last_candidates = 0
+        # Made at the first call, when the backend and the bucket's dtype are known.
+        self._cells: tuple[Cell, Cell, Cell] | None = None
+        self._loaded: dict[str, Any] | None = None
 
-    def _estimate(self, ops: Backend, accumulator: Tensor, k: int) -> Tensor:
-        numel = ops.num_rows(accumulator)
+    def _state(self, ops: Backend, like: Tensor) -> tuple[Cell, Cell, Cell]:
+        if self._cells is None:
+            loaded = self._loaded or {"threshold": None, "calls": 0, "stale": True}
+            threshold = ops.cell(0.0, like)
+            if loaded["threshold"] is not None:
+                threshold.set(loaded["threshold"])
+            self._cells = (threshold, ops.cell(int(loaded["calls"])), ops.cell(loaded["stale"]))
+        return self._cells
+
+    def _estimate(self, ops: Backend, accumulator: Tensor, k: int, numel: int, calls: Any) -> Any:
         sample = min(numel, self.sample_size)
         # The (k / n)-quantile of the sample, from the top.
         rank_in_sample = max(1, min(sample, round(k * sample / numel)))
-        magnitudes = ops.strided_sample_abs(accumulator, sample, offset=self.calls)
+        magnitudes = ops.strided_sample_abs(accumulator, sample, offset=calls)
         return ops.kth_largest(magnitudes, rank_in_sample)
 
-    def _pass(self, ops: Backend, accumulator: Tensor) -> tuple[Tensor, int]:
-        candidates = ops.indices_at_least(accumulator, self.threshold)
-        return candidates, ops.num_rows(candidates)
-
     def select(self, ops: Backend, accumulator: Tensor, k: int) -> Tensor:
-        if k >= ops.num_rows(accumulator):
+        numel = ops.length(accumulator)
+        if k >= numel:
             return ops.topk_indices(accumulator, k)
-        low, high = self.band[0] * k, self.band[1] * k
-        if self.stale or self.threshold is None or self.calls % self.reestimate_steps == 0:
-            self.threshold = self._estimate(ops, accumulator, k)
-        self.calls += 1
-        candidates, count = self._pass(ops, accumulator)
-        self.stale = not (low <= count <= high)  # drifted: re-estimate next call
-        if count < low:
-            # Too few to send: correct the threshold now and select again.
-            self.threshold = self._estimate(ops, accumulator, k)
-            candidates, count = self._pass(ops, accumulator)
-            if count < low:
-                self.last_candidates = count
-                return ops.topk_indices(accumulator, k)
-        self.last_candidates = count
-        return ops.top_of(accumulator, candidates, k) if count > high else candidates
+        threshold_cell, calls_cell, stale_cell = self._state(ops, accumulator)
+        # Integer bounds, the same test for an integer count (TF compares int64 tensors).
+        low, high = math.ceil(self.band[0] * k), math.floor(self.band[1] * k)
+        calls = calls_cell.get()
+        # Step 1: estimate when due; otherwise reuse the last threshold.
+        threshold = ops.cond(
+            stale_cell.get() | (calls % self.reestimate_steps == 0),
+            lambda: self._estimate(ops, accumulator, k, numel, calls),
+            threshold_cell.get,
+        )
+        threshold_cell.set(threshold)
+        calls_cell.set(calls + 1)
+        # Step 2: one pass above the threshold.
+        candidates = ops.indices_at_least(accumulator, threshold)
+        count = ops.num_rows(candidates)
+        stale_cell.set((count < low) | (count > high))  # drifted: re-estimate next call
+
+        # Step 3: accept, trim, or (too few to send) correct the threshold now.
+        def accept(found: Tensor, found_count: Any) -> Tensor:
+            return ops.cond(
+                found_count > high, lambda: ops.top_of(accumulator, found, k), lambda: found
+            )
+
+        def estimate_again() -> Tensor:
+            corrected = self._estimate(ops, accumulator, k, numel, calls + 1)
+            threshold_cell.set(corrected)
+            found = ops.indices_at_least(accumulator, corrected)
+            found_count = ops.num_rows(found)
+            return ops.cond(
+                found_count < low,
+                lambda: ops.topk_indices(accumulator, k),
+                lambda: accept(found, found_count),
+            )
+
+        return ops.cond(count < low, estimate_again, lambda: accept(candidates, count))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"threshold": self.threshold, "calls": self.calls, "stale": self.stale}
+        if self._cells is None:
+            return dict(self._loaded or {"threshold": None, "calls": 0, "stale": True})
+        threshold, calls, stale = (cell.get() for cell in self._cells)
+        return {"threshold": threshold, "calls": calls, "stale": stale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.threshold = state["threshold"]
-        self.calls = int(state["calls"])
-        self.stale = bool(state["stale"])
+        self._loaded = {
+            "threshold": state["threshold"],
+            "calls": int(state["calls"]),
+            "stale": bool(state["stale"]),
+        }
+        if self._cells is not None:
+            threshold, calls, stale = self._cells
+            if state["threshold"] is not None:
+                threshold.set(state["threshold"])
+            calls.set(int(state["calls"]))
+            stale.set(bool(state["stale"]))
 
 
 def make_selection(method: str, reestimate_steps: int = 10) -> LocalSelection:

@@ -57,7 +57,7 @@ class Trace:
     path: str
     rank: int
     max_events: int = 200_000
-    events: deque = field(init=False)
+    events: deque[dict[str, Any]] = field(init=False)
     hidden: HiddenTime = field(default_factory=HiddenTime)
     _origin: float = field(default_factory=time.perf_counter)
     _flights: dict[str, _InFlight] = field(default_factory=dict)

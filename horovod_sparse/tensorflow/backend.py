@@ -10,29 +10,62 @@ host.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import horovod.tensorflow as hvd
+import numpy as np
 import tensorflow as tf
 
-__all__ = ["TFBackend"]
+from horovod_sparse.common.backend import ProcessSetQueries
+
+__all__ = ["TFBackend", "VariableCell"]
 
 _HISTOGRAM_BINS = 256
 
 
-class TFBackend:
+class VariableCell:
+    """A :class:`~horovod_sparse.common.backend.Cell` in a ``tf.Variable``."""
+
+    def __init__(self, variable: tf.Variable) -> None:
+        self.variable = variable
+
+    def get(self) -> tf.Tensor:
+        return tf.convert_to_tensor(self.variable)
+
+    def set(self, value: Any) -> None:
+        self.variable.assign(tf.cast(value, self.variable.dtype))
+
+
+class TFBackend(ProcessSetQueries):
     """Stateless; one shared instance serves every bucket."""
 
-    # ---- process set
-    def rank(self, process_set: Any) -> int:
-        return process_set.rank()
+    # ---- state and control flow: variables and tf.cond, so a traced step keeps working
+    def cell(self, initial: Any, like: tf.Tensor | None = None) -> VariableCell:
+        if like is not None:
+            dtype = like.dtype
+        else:  # a flag, a count, or a list of boundaries
+            dtype = tf.bool if isinstance(initial, bool) else tf.int64
+        with tf.init_scope():  # made eagerly, even when first needed inside tf.function
+            return VariableCell(tf.Variable(tf.constant(initial, dtype), trainable=False))
 
-    def size(self, process_set: Any) -> int:
-        return process_set.size()
+    def cond(self, pred: Any, then: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
+        if isinstance(pred, (bool, np.bool_)):
+            return then() if pred else otherwise()
+        return tf.cond(pred, then, otherwise)
+
+    def on_host(self, function: Callable[[list[int]], list[int]], counts: tf.Tensor) -> Any:
+        def call(host_counts: np.ndarray) -> np.ndarray:
+            return np.asarray(function(host_counts.tolist()), np.int64)
+
+        result = tf.numpy_function(call, [counts], tf.int64, stateful=False)
+        return tf.ensure_shape(result, [None])
 
     # ---- dense arithmetic
     def zeros(self, numel: int, like: tf.Tensor) -> tf.Tensor:
         return tf.zeros([numel], dtype=like.dtype)
+
+    def length(self, tensor: tf.Tensor) -> int:
+        return int(tensor.shape[0])
 
     def num_rows(self, tensor: tf.Tensor) -> tf.Tensor:
         return tf.shape(tensor, out_type=tf.int64)[0]
@@ -117,18 +150,18 @@ class TFBackend:
         return tf.tensor_scatter_nd_add(buffer, indices[:, None], tf.cast(values, buffer.dtype))
 
     def shift(self, indices: tf.Tensor, offset: int) -> tf.Tensor:
-        return indices + tf.constant(offset, dtype=tf.int64)
+        return indices + tf.cast(offset, tf.int64)
 
     # ---- partition and packing
-    def region_counts(self, sorted_indices: tf.Tensor, boundaries: list[int]) -> tf.Tensor:
-        edges = tf.constant(boundaries, dtype=tf.int64)
+    def region_counts(self, sorted_indices: tf.Tensor, boundaries: Any) -> tf.Tensor:
+        edges = tf.cast(boundaries, tf.int64)
         positions = tf.searchsorted(sorted_indices, edges, side="left", out_type=tf.int32)
         return positions[1:] - positions[:-1]
 
-    def region_offsets(self, sorted_indices: tf.Tensor, boundaries: list[int]) -> tf.Tensor:
-        if len(boundaries) == 2:
+    def region_offsets(self, sorted_indices: tf.Tensor, boundaries: Any) -> tf.Tensor:
+        edges = tf.cast(boundaries, tf.int64)
+        if edges.shape[0] == 2:  # one region
             return tf.zeros_like(sorted_indices)
-        edges = tf.constant(boundaries, dtype=tf.int64)
         region = tf.searchsorted(edges[1:-1], sorted_indices, side="right")
         return tf.gather(edges, region)
 

@@ -11,23 +11,34 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from horovod_sparse.common.config import SparseConfig, reduction_scales
+from horovod_sparse.common.config import (
+    PER_TENSOR_OPTIONS,
+    SparseConfig,
+    make_config,
+    reduction_scales,
+)
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.registry import NamedReducers
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.tensorflow.reducer import (
     BACKEND,
+    TF_OPTIONS,
     BucketState,
     make_counts_variable,
     op_name,
     run_bucket,
-    tf_config,
     zeros_variable,
 )
 
 __all__ = ["reset_residuals", "residual_variables", "sparse_allreduce", "stats"]
 
-_STATES: NamedReducers[BucketState] = NamedReducers(lambda state: state.reducer)
+
+def _reducer_of(state: BucketState) -> BucketReducer:
+    assert isinstance(state.reducer, BucketReducer)  # one tensor: always a sparse reducer
+    return state.reducer
+
+
+_STATES: NamedReducers[BucketState] = NamedReducers(_reducer_of)
 
 
 def _state_for(
@@ -55,12 +66,16 @@ def sparse_allreduce(
     postscale_factor: float = 1.0,
     process_set: Any = hvd.global_process_set,
     compression: Any = hvd.Compression.none,
+    **options: Any,
 ) -> tf.Tensor:
     """Sparse allreduce of ``tensor`` with error feedback, eagerly or inside ``tf.function``.
 
     Sends one alltoall of about k(P-1)/P rows (8 bytes each for fp32, k = ceil(density*n)),
     four 1 KiB histogram allreduces and one allgather of about k(P-1)/P rows in.
     Keeps the unselected mass in the ``tf.Variable`` residual stored under ``name``.
+    ``options``: ``selection``, ``partition``, ``reestimate_steps``,
+    ``repartition_steps``, ``error_feedback`` (see
+    :class:`~horovod_sparse.common.config.SparseConfig`).
 
     Example:
         >>> out = sparse_allreduce(grad, density=0.01, name="w")
@@ -82,7 +97,8 @@ def sparse_allreduce(
         )
     if tensor.shape.num_elements() is None:
         raise ValueError(f"sparse_allreduce({name!r}) needs a statically known tensor size")
-    config = tf_config(density=density)
+    config = make_config(dict(options, density=density))
+    config.unsupported("sparse_allreduce under TensorFlow", PER_TENSOR_OPTIONS & TF_OPTIONS)
     if not process_set.included():
         raise ValueError(f"sparse_allreduce({name!r}): this rank is not in the process set")
     prescale, postscale = reduction_scales(

@@ -14,27 +14,41 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from horovod_sparse.common.buckets import Bucket, plan_buckets
+from horovod_sparse.common.buckets import Bucket, plan_model
 from horovod_sparse.common.config import SparseConfig, optimizer_scales
 from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.tensorflow.backend import TFBackend
 
-__all__ = ["BACKEND", "BucketState", "GradientReducer", "op_name", "run_bucket", "tf_config"]
+__all__ = [
+    "BACKEND",
+    "TF_OPTIONS",
+    "BucketState",
+    "GradientReducer",
+    "describe_variables",
+    "op_name",
+    "run_bucket",
+]
 
 BACKEND = TFBackend()
 _COUNT_SLOTS = 10  # >= BucketReducer.NUM_COUNTS
 
 
-def tf_config(**knobs: Any) -> SparseConfig:
-    """A :class:`SparseConfig` for TF: exact selection and a uniform partition.
-
-    The threshold selection and the balanced partition keep host-side state (a reused
-    threshold, counts read on the host) that a ``tf.function`` traced once cannot
-    update per call; TF uses the stateless stages, which run the same in eager and
-    graph mode.
-    """
-    return SparseConfig(selection="exact", partition="uniform", **knobs)
+# What the TF adapters act on; the other options are refused by name (see the README).
+TF_OPTIONS = frozenset(
+    (
+        "density",
+        "min_sparse_numel",
+        "selection",
+        "partition",
+        "fusion_threshold_bytes",
+        "reestimate_steps",
+        "repartition_steps",
+        "warmup_steps",
+        "error_feedback",
+        "momentum_correction",
+    )
+)
 
 
 def op_name(op: Any) -> str:
@@ -58,10 +72,12 @@ class BucketState:
     velocity: Any = None
     momentum: float = 0.0
     nesterov: bool = False
+    # The sparse step's row widths, for stats(): host ints fixed when it is traced.
+    row_widths: dict[str, Any] | None = None
 
     def stats(self) -> StepStats:
         values = self.counts.numpy().tolist()[: self.reducer.NUM_COUNTS]
-        return self.reducer.stats_from_counts(values)
+        return self.reducer.stats_from_counts(values, self.row_widths)
 
 
 def make_counts_variable() -> tf.Variable:
@@ -76,29 +92,77 @@ def run_bucket(state: BucketState, flat: tf.Tensor, prescale: float, postscale: 
     (``flat + m * u`` for Nesterov) instead of ``flat``; in a sparse bucket the entries
     this rank selects are zeroed in ``u`` too (momentum factor masking), a dense bucket
     keeps all of ``u`` as dense momentum SGD does.
+
+    During warm-up (``warmup_steps``) a sparse bucket's step is dense; in a graph both
+    kinds are traced and a ``tf.cond`` on the step count (a variable) picks one per call.
     """
     reducer = state.reducer
-    sparse = state.residual is not None
-    if sparse:
-        reducer.residual = tf.convert_to_tensor(state.residual)
     velocity = None
     if state.velocity is not None:
         velocity = state.momentum * tf.convert_to_tensor(state.velocity) + flat
         flat = flat + state.momentum * velocity if state.nesterov else velocity
-        if sparse:
-            reducer.velocity = velocity
-    inflight = reducer.start(flat, prescale)
-    inflight = reducer.reduce_and_gather(inflight)
-    result = reducer.finish(inflight, flat, postscale)
-    counts = [tf.cast(c, tf.float64) for c in reducer.step_counts()]
-    counts += [tf.constant(0.0, tf.float64)] * (_COUNT_SLOTS - len(counts))
-    updates = [state.counts.assign(tf.stack(counts))]
-    if sparse:
-        updates.append(state.residual.assign(reducer.residual))
+    if not isinstance(reducer, BucketReducer):
+        result, counts = _exchange_dense_bucket(reducer, flat, prescale, postscale)
+        residual = None
+    else:
+        residual = tf.convert_to_tensor(state.residual)
+
+        def exchange(dense: bool) -> tuple[Any, ...]:
+            return _exchange(state, reducer, flat, residual, velocity, dense, prescale, postscale)
+
+        warmup = reducer.config.warmup_steps
+        if warmup:
+            result, counts, residual, masked = BACKEND.cond(
+                reducer.step < warmup, lambda: exchange(True), lambda: exchange(False)
+            )
+        else:
+            result, counts, residual, masked = exchange(False)
+        velocity = masked if velocity is not None else None
+    updates = [state.counts.assign(counts)]
+    if residual is not None:
+        updates.append(state.residual.assign(residual))
     if velocity is not None:
-        updates.append(state.velocity.assign(reducer.velocity if sparse else velocity))
+        updates.append(state.velocity.assign(velocity))
     with tf.control_dependencies(updates):
         return tf.identity(result)
+
+
+def _exchange(
+    state: BucketState,
+    reducer: BucketReducer,
+    flat: tf.Tensor,
+    residual: tf.Tensor,
+    velocity: tf.Tensor | None,
+    dense: bool,
+    prescale: float,
+    postscale: float,
+) -> tuple[Any, ...]:
+    """One kind of step of a sparse bucket: ``(result, counts, residual, velocity)``,
+    returned rather than left on the reducer, so a ``tf.cond`` branch can hand them out.
+    (A branch without a velocity returns the residual in its place.)"""
+    reducer.residual = residual
+    reducer.velocity = velocity
+    inflight = reducer.reduce_and_gather(reducer.start(flat, prescale, dense=dense))
+    result = reducer.finish(inflight, flat, postscale)
+    counts, accounting = reducer.step_record()
+    if not dense:
+        state.row_widths = {k: accounting[k] for k in ("row_bytes", "gather_row_bytes")}
+    masked = reducer.velocity if velocity is not None else reducer.residual
+    return result, _counts_vector(counts), reducer.residual, masked
+
+
+def _exchange_dense_bucket(
+    reducer: DenseBucketReducer, flat: tf.Tensor, prescale: float, postscale: float
+) -> tuple[tf.Tensor, tf.Tensor]:
+    inflight = reducer.reduce_and_gather(reducer.start(flat, prescale))
+    result = reducer.finish(inflight, flat, postscale)
+    return result, _counts_vector(reducer.step_counts())
+
+
+def _counts_vector(counts: list[Any]) -> tf.Tensor:
+    values = [tf.cast(c, tf.float64) for c in counts]
+    values += [tf.constant(0.0, tf.float64)] * (_COUNT_SLOTS - len(values))
+    return tf.stack(values)
 
 
 class GradientReducer:
@@ -147,41 +211,32 @@ class GradientReducer:
         )
         make_variable = make_variable or zeros_variable
         self.momentum = float(momentum)
-        names = [f"{i}" for i in range(len(variables))]
         for v in variables:
             if not tf.as_dtype(v.dtype).is_floating:
                 raise TypeError(
                     f"variable {_label(v)} has dtype {tf.as_dtype(v.dtype).name}; "
                     "gradients must be floating point"
                 )
-        described = [
-            (n, _numel(v), tf.as_dtype(v.dtype).name, tf.as_dtype(v.dtype).size)
-            for n, v in zip(names, variables)
-        ]
-        large = [d for d in described if d[1] >= config.min_sparse_numel]
-        small = [d for d in described if d[1] < config.min_sparse_numel]
-        index_of = {id(v): i for i, v in enumerate(variables)}
+        # Positions name the variables: the plan is the rule torch shares (plan_model).
+        position = {id(v): str(i) for i, v in enumerate(variables)}
         group_names = None
         if groups is not None and not isinstance(groups, int):
-            large_names = {d[0] for d in large}
-            group_names = [
-                [names[index_of[id(v)]] for v in g if names[index_of[id(v)]] in large_names]
-                for g in groups
-            ]
-        elif num_groups or isinstance(groups, int):
-            count = groups if isinstance(groups, int) else num_groups
-            size = -(-len(large) // count) if large else 1
-            group_names = [[d[0] for d in large[i : i + size]] for i in range(0, len(large), size)]
-        plans = (
-            plan_buckets(large, config.bucket_bytes, group_names).buckets
-            + plan_buckets(small, config.bucket_bytes, kind="dense").buckets
+            group_names = [[position[id(v)] for v in g if id(v) in position] for g in groups]
+        plan = plan_model(
+            describe_variables(variables),
+            config.min_sparse_numel,
+            config.bucket_bytes,
+            group_names,
+            groups if isinstance(groups, int) else num_groups,
         )
+        plans = plan.buckets
         self.buckets: list[tuple[Bucket, list[int], BucketState]] = []
         for bucket in plans:
             positions = [int(e.name) for e in bucket.entries]
             dtype = tf.as_dtype(variables[positions[0]].dtype)
             like = tf.zeros([0], dtype)
             stem = f"{name}.{bucket.name}"
+            reducer: BucketReducer | DenseBucketReducer
             if bucket.kind == "sparse":
                 reducer = BucketReducer(
                     BACKEND, stem, bucket.numel, like, config, process_set, compression
@@ -247,6 +302,14 @@ def zeros_variable(kind: str, numel: int, dtype: tf.DType, name: str) -> tf.Vari
     """A zero ``kind`` state variable (residual, velocity) outside any ``tf.function``."""
     with tf.init_scope():
         return tf.Variable(tf.zeros([numel], dtype), trainable=False, name=f"{kind}_{name}")
+
+
+def describe_variables(variables: Sequence[Any]) -> list[tuple[str, int, str, int]]:
+    """``(position, numel, dtype name, itemsize)`` per variable, as the planner takes them."""
+    return [
+        (str(i), _numel(v), tf.as_dtype(v.dtype).name, tf.as_dtype(v.dtype).size)
+        for i, v in enumerate(variables)
+    ]
 
 
 def _numel(variable: Any) -> int:

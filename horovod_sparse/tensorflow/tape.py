@@ -7,9 +7,9 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.common.config import SparseConfig, make_config
 from horovod_sparse.common.stats import StepStats
-from horovod_sparse.tensorflow.reducer import GradientReducer, tf_config
+from horovod_sparse.tensorflow.reducer import TF_OPTIONS, GradientReducer
 from horovod_sparse.tensorflow.validation import check_variables, describe, validate_across_ranks
 
 __all__ = ["DistributedGradientTape"]
@@ -23,11 +23,12 @@ class DistributedGradientTape(tf.GradientTape):
 
     Accepts every argument of ``hvd.DistributedGradientTape`` with the same meaning
     (``device_dense``/``device_sparse`` are accepted for compatibility; placement follows
-    the gradients), plus ``density``, ``min_sparse_numel``, ``fusion_threshold_bytes`` and
-    ``error_feedback``. Residuals are ``tf.Variable``s that persist across tapes, keyed by
-    ``name`` and the list of sources; :meth:`residual_variables` returns them for a
-    checkpoint. ``error_feedback=False`` zeroes the residuals at the end of every step
-    (ablation only: unsent entries are dropped, which loses gradient mass).
+    the gradients), plus the sparse options of
+    :class:`~horovod_sparse.common.config.SparseConfig` that TF acts on (``density``,
+    ``min_sparse_numel``, ``selection``, ``partition``, ``fusion_threshold_bytes``,
+    ``reestimate_steps``, ``repartition_steps``, ``error_feedback``). Residuals are
+    ``tf.Variable``s that persist across tapes, keyed by ``name`` and the list of
+    sources; :meth:`residual_variables` returns them for a checkpoint.
 
     Invalid keywords or sources are reported by the first ``gradient()`` call, on every
     rank, after one small validation collective (see :meth:`_reducer_for`).
@@ -52,11 +53,8 @@ class DistributedGradientTape(tf.GradientTape):
         groups: Any = None,
         process_set: Any = hvd.global_process_set,
         *,
-        density: float = 0.01,
-        min_sparse_numel: int = 1024,
-        fusion_threshold_bytes: int | None = None,
-        error_feedback: bool = True,
         name: str = "tape",
+        **options: Any,
     ) -> None:
         super().__init__(
             persistent=gradtape._persistent,
@@ -71,11 +69,9 @@ class DistributedGradientTape(tf.GradientTape):
         self._problem: Exception | None = None
         self._config: SparseConfig | None = None
         try:
-            self._config = tf_config(
-                density=density,
-                min_sparse_numel=min_sparse_numel,
-                fusion_threshold_bytes=fusion_threshold_bytes,
-                error_feedback=error_feedback,
+            self._config = make_config(options)
+            self._config.unsupported(
+                "DistributedGradientTape", TF_OPTIONS - {"momentum_correction"}
             )
         except (TypeError, ValueError) as error:
             self._problem = error
@@ -140,6 +136,7 @@ class DistributedGradientTape(tf.GradientTape):
                 if problem is None:
                     try:
                         check_variables(sources, what)
+                        assert self._config is not None  # else self._problem is set
                         reducer = GradientReducer(
                             sources, self._config, name=f"hvds.{self._name}", **self._options
                         )

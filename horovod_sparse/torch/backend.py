@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import horovod.torch as hvd
 import torch
+
+from horovod_sparse.common.backend import HostCell, ProcessSetQueries
 
 __all__ = ["TorchBackend"]
 
@@ -35,19 +37,27 @@ class _Pending:
     kind: str  # "alltoall" | "plain"
 
 
-class TorchBackend:
+class TorchBackend(ProcessSetQueries):
     """Stateless; one shared instance serves every bucket."""
 
-    # ---- process set
-    def rank(self, process_set: Any) -> int:
-        return process_set.rank()
+    # ---- state and control flow: a step runs its Python every time, so host values do
+    def cell(self, initial: Any, like: torch.Tensor | None = None) -> HostCell:
+        if like is not None:
+            initial = torch.full((), initial, dtype=like.dtype, device=like.device)
+        return HostCell(initial)
 
-    def size(self, process_set: Any) -> int:
-        return process_set.size()
+    def cond(self, pred: Any, then: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
+        return then() if pred else otherwise()
+
+    def on_host(self, function: Callable[[list[int]], list[int]], counts: torch.Tensor) -> Any:
+        return function(counts.tolist())
 
     # ---- dense arithmetic
     def zeros(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros(numel, dtype=like.dtype, device=like.device)
+
+    def length(self, tensor: torch.Tensor) -> int:
+        return int(tensor.shape[0])
 
     def num_rows(self, tensor: torch.Tensor) -> int:
         return int(tensor.shape[0])

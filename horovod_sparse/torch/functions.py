@@ -12,7 +12,7 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from horovod_sparse.common.config import SparseConfig, reduction_scales
+from horovod_sparse.common.config import PER_TENSOR_OPTIONS, make_config, reduction_scales
 from horovod_sparse.common.pipeline import BucketReducer, GatherInFlight, ScatterInFlight
 from horovod_sparse.common.registry import NamedReducers
 from horovod_sparse.common.stats import StepStats
@@ -90,21 +90,24 @@ def sparse_allreduce_async(
     postscale_factor: float = 1.0,
     process_set: Any = hvd.global_process_set,
     compression: Any = hvd.Compression.none,
-    selection: str = "threshold",
-    partition: str = "uniform",
+    **options: Any,
 ) -> SparseHandle:
     """Start a sparse allreduce of ``tensor``; returns a :class:`SparseHandle`.
 
     Sends one alltoall now (about k(P-1)/P rows of 8 bytes for fp32, k = ceil(density*n));
     the histogram allreduces and the allgather follow in :func:`synchronize`.
-    Keeps the unselected mass in a residual stored under ``name``.
+    Keeps the unselected mass in a residual stored under ``name``. ``options``: the
+    per-tensor options of :class:`~horovod_sparse.common.config.SparseConfig`
+    (``selection``, ``partition``, ``reestimate_steps``, ``repartition_steps``,
+    ``warmup_steps``, ``density_decay_steps``, ``error_feedback``).
 
     Example:
         >>> handle = sparse_allreduce_async(grad, density=0.01, name="w")
         >>> reduced = synchronize(handle)
     """
     name = _check_tensor(tensor, name)
-    config = SparseConfig(density=density, selection=selection, partition=partition)
+    config = make_config(dict(options, density=density))
+    config.unsupported("sparse_allreduce", PER_TENSOR_OPTIONS)
     if not process_set.included():
         raise ValueError(f"sparse_allreduce({name!r}): this rank is not in the process set")
     prescale, postscale = reduction_scales(
@@ -141,8 +144,7 @@ def sparse_allreduce(
     postscale_factor: float = 1.0,
     process_set: Any = hvd.global_process_set,
     compression: Any = hvd.Compression.none,
-    selection: str = "threshold",
-    partition: str = "uniform",
+    **options: Any,
 ) -> torch.Tensor:
     """Sparse allreduce of ``tensor`` with error feedback; returns a new tensor.
 
@@ -164,8 +166,7 @@ def sparse_allreduce(
             postscale_factor,
             process_set,
             compression,
-            selection,
-            partition,
+            **options,
         )
     )
 

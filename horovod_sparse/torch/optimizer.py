@@ -17,14 +17,15 @@ import uuid
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import horovod.torch as hvd
 import torch
 
-from horovod_sparse.common.buckets import Bucket, plan_buckets
+from horovod_sparse.common.buckets import Bucket, plan_model
 from horovod_sparse.common.classes import combined_class
-from horovod_sparse.common.config import SparseConfig, optimizer_scales
+from horovod_sparse.common.config import make_config, optimizer_scales, take_options
 from horovod_sparse.common.fusion import DenseFusion, FusedPart, FusionMember
 from horovod_sparse.common.pipeline import (
     BucketReducer,
@@ -43,8 +44,6 @@ from horovod_sparse.torch.overlap import DeferredUpdates
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
 
 _STATE_KEY = "horovod_sparse"
-SCHEDULERS = ("fixed", "auto")
-OVERLAP_SETTINGS = (False, True, "auto")
 
 
 @dataclass
@@ -61,8 +60,23 @@ class _BucketSlot:
     stage: ScatterInFlight | GatherInFlight | None = None
     fusion_index: int | None = None  # position among the members of dense fusion
 
+    @property
+    def sparse_reducer(self) -> BucketReducer:
+        """``reducer`` of a sparse bucket, for what only sparse reducers have (a step
+        count, a residual, dense steps, fusion)."""
+        assert isinstance(self.reducer, BucketReducer), f"{self.bucket.name} is not sparse"
+        return self.reducer
 
-class SparseOptimizerMixin:
+
+if TYPE_CHECKING:
+    # What the mixin is combined with (combined_class): type checkers see the wrapped
+    # optimizer's methods and attributes; at run time the mixin has no base of its own.
+    _OptimizerBase = torch.optim.Optimizer
+else:
+    _OptimizerBase = object
+
+
+class SparseOptimizerMixin(_OptimizerBase):
     """Mixin that turns a ``torch.optim.Optimizer`` class into a sparse-allreduce one.
 
     Combine it in front of any optimizer class (``class MyAdam(SparseOptimizerMixin,
@@ -83,25 +97,12 @@ class SparseOptimizerMixin:
         groups: Any = None,
         sparse_as_dense: bool = False,
         process_set: Any = hvd.global_process_set,
-        density: float = 0.01,
-        min_sparse_numel: int = 1024,
-        fusion_threshold_bytes: int | None = None,
-        selection: str = "threshold",
-        partition: str = "uniform",
-        warmup_steps: int = 0,
-        density_decay_steps: int = 0,
-        reestimate_steps: int = 10,
-        repartition_steps: int = 50,
-        error_feedback: bool = True,
-        momentum_correction: bool | None = None,
         model: torch.nn.Module | None = None,
-        overlap_allgather: bool | str = False,
-        trace: str | None = None,
-        scheduler: str = "fixed",
-        scheduler_steps: int = 100,
-        dense_fusion_bytes: int | None = None,
         **kwargs: Any,
     ) -> None:
+        # The sparse options (SparseConfig's fields) are taken out; the rest of the
+        # keywords belong to the wrapped optimizer.
+        options = take_options(kwargs)
         super().__init__(params, *args, **kwargs)
         self._setup_sparse(
             named_parameters=named_parameters,
@@ -113,29 +114,12 @@ class SparseOptimizerMixin:
             groups=groups,
             sparse_as_dense=sparse_as_dense,
             process_set=process_set,
-            momentum_correction=momentum_correction,
             model=model,
-            overlap_allgather=overlap_allgather,
-            trace=trace,
-            scheduler=scheduler,
-            scheduler_steps=scheduler_steps,
-            config_knobs=dict(
-                density=density,
-                min_sparse_numel=min_sparse_numel,
-                fusion_threshold_bytes=fusion_threshold_bytes,
-                selection=selection,
-                partition=partition,
-                warmup_steps=warmup_steps,
-                density_decay_steps=density_decay_steps,
-                reestimate_steps=reestimate_steps,
-                repartition_steps=repartition_steps,
-                error_feedback=error_feedback,
-                dense_fusion_bytes=dense_fusion_bytes,
-            ),
+            options=options,
         )
 
     # ------------------------------------------------------------------ setup
-    def _setup_sparse(
+    def _setup_sparse(  # noqa: C901
         self,
         *,
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
@@ -147,13 +131,8 @@ class SparseOptimizerMixin:
         groups: Any,
         sparse_as_dense: bool,
         process_set: Any,
-        momentum_correction: bool | None,
         model: torch.nn.Module | None,
-        overlap_allgather: bool | str,
-        trace: str | None,
-        scheduler: str,
-        scheduler_steps: int,
-        config_knobs: dict[str, Any],
+        options: dict[str, Any],
     ) -> None:
         if not process_set.included():
             self._setup_outside_process_set(named_parameters, backward_passes_per_step, process_set)
@@ -165,7 +144,7 @@ class SparseOptimizerMixin:
         problem: Exception | None = None
         named: list[tuple[str, torch.Tensor]] = []
         try:
-            config = SparseConfig(**config_knobs)
+            config = make_config(options)
             if int(backward_passes_per_step) < 1:
                 raise ValueError(
                     f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
@@ -179,22 +158,13 @@ class SparseOptimizerMixin:
             can_be_sparse = config.density < 1.0 or config.warmup_steps > 0
             some_sparse_bucket = any(p.numel() >= config.min_sparse_numel for _, p in named)
             correction = make_correction(
-                self, momentum_correction, can_be_sparse and some_sparse_bucket
+                self, config.momentum_correction, can_be_sparse and some_sparse_bucket
             )
-            if scheduler not in SCHEDULERS:
-                raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
-            if int(scheduler_steps) < 1:
-                raise ValueError(f"scheduler_steps must be >= 1, got {scheduler_steps}")
-            if not (isinstance(overlap_allgather, bool) or overlap_allgather == "auto"):
-                raise ValueError(
-                    f"overlap_allgather must be one of {OVERLAP_SETTINGS}, "
-                    f"got {overlap_allgather!r}"
-                )
-            if overlap_allgather and not isinstance(model, torch.nn.Module):
+            if config.overlap_allgather and not isinstance(model, torch.nn.Module):
                 raise TypeError(
-                    f"overlap_allgather={overlap_allgather!r} needs model=<the torch.nn.Module "
-                    "being trained>: its forward pre-hooks apply each bucket's update just "
-                    "before use"
+                    f"overlap_allgather={config.overlap_allgather!r} needs model=<the "
+                    "torch.nn.Module being trained>: its forward pre-hooks apply each "
+                    "bucket's update just before use"
                 )
         except (TypeError, ValueError) as error:
             problem = error
@@ -215,30 +185,25 @@ class SparseOptimizerMixin:
         # residuals belong to this process whatever its rank is now.
         self._owner_token = uuid.uuid4().hex
 
-        # Internal state: sparse buckets for large tensors, dense buckets for small ones.
-        large = [(n, p) for n, p in named if p.numel() >= config.min_sparse_numel]
-        small = [(n, p) for n, p in named if p.numel() < config.min_sparse_numel]
+        # Internal state: sparse buckets for large tensors, dense buckets for small ones,
+        # planned by the rule every framework shares.
         by_name = dict(named)
-
-        def describe(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, int, str, int]]:
-            # Gradients tend to become ready in reverse registration order.
-            return [
-                (n, p.numel(), _dtype_name(p.dtype), p.element_size()) for n, p in reversed(tensors)
-            ]
-
-        sparse_plan = plan_buckets(
-            describe(large), config.bucket_bytes, self._group_names(groups, num_groups, large)
+        plan = plan_model(
+            describe_parameters(named),
+            config.min_sparse_numel,
+            config.bucket_bytes,
+            self._group_names(groups),
+            num_groups if not isinstance(groups, int) else groups,
         )
-        dense_plan = plan_buckets(describe(small), config.bucket_bytes, kind="dense")
         self._correction: Correction | None = correction
         self._buckets: list[_BucketSlot] = []
         self._slot_of: dict[torch.Tensor, tuple[_BucketSlot, int]] = {}
         # Sparse buckets' buffers are views of arenas, so adjacent ones can be reduced
         # as one slice when their step is dense (common/fusion.py).
         arena_flats, members, self._arenas = _arena_layout(
-            [[by_name[e.name] for e in bucket.entries] for bucket in sparse_plan.buckets]
+            [[by_name[e.name] for e in bucket.entries] for bucket in plan.sparse]
         )
-        for index, bucket in enumerate(sparse_plan.buckets + dense_plan.buckets):
+        for index, bucket in enumerate(plan.buckets):
             params = [by_name[e.name] for e in bucket.entries]
             if index < len(arena_flats):
                 flat = arena_flats[index]
@@ -276,24 +241,27 @@ class SparseOptimizerMixin:
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
         ]
         self._deferred: DeferredUpdates | None = None
-        if overlap_allgather:
+        if config.overlap_allgather:
+            assert model is not None  # checked with the options
             self._deferred = DeferredUpdates(self, model, self._slot_of, self._apply_bucket)
         self._scheduler: AutoScheduler | None = None
         self._step_began: float | None = None  # host time the current step's backward began
-        judge_overlap = overlap_allgather == "auto"
-        if (scheduler == "auto" or judge_overlap) and self._sparse_slots():
+        judge_overlap = config.overlap_allgather == "auto"
+        if (config.scheduler == "auto" or judge_overlap) and self._sparse_slots():
             self._scheduler = AutoScheduler(
                 BACKEND,
                 "hvds.opt.schedule",
                 process_set,
                 [(s.bucket.numel, s.flat.element_size()) for s in self._sparse_slots()],
                 config.density,
-                every=scheduler_steps,
-                choose_density=scheduler == "auto",
+                every=config.scheduler_steps,
+                choose_density=config.scheduler == "auto",
                 # Starts overlapped; trials then judge it against waiting in step().
                 overlap=True if judge_overlap else None,
             )
-        self._trace: Trace | None = Trace(trace, process_set.rank()) if trace is not None else None
+        self._trace: Trace | None = (
+            Trace(config.trace, process_set.rank()) if config.trace is not None else None
+        )
         self._begin_step()
 
     def _setup_outside_process_set(
@@ -319,7 +287,9 @@ class SparseOptimizerMixin:
         self._should_synchronize = True
         self._synchronized = False
 
-    def _make_reducer(self, bucket: Bucket, flat: torch.Tensor) -> Any:
+    def _make_reducer(
+        self, bucket: Bucket, flat: torch.Tensor
+    ) -> BucketReducer | DenseBucketReducer:
         """A reducer for ``bucket`` over the process set as it is now."""
         name = f"hvds.opt.{bucket.name}"
         if bucket.kind == "sparse":
@@ -361,7 +331,7 @@ class SparseOptimizerMixin:
             old = slot.reducer
             slot.reducer = self._make_reducer(slot.bucket, slot.flat)
             if isinstance(old, BucketReducer):
-                slot.reducer.load_state_dict(old.state_dict())  # boundaries: re-cut
+                slot.sparse_reducer.load_state_dict(old.state_dict())  # boundaries: re-cut
                 self._mask_sent_entries(slot)
         self._apply_schedule()
         self._step_records = []
@@ -406,21 +376,13 @@ class SparseOptimizerMixin:
                 )
         return named
 
-    def _group_names(
-        self, groups: Any, num_groups: int, large: list[tuple[str, torch.Tensor]]
-    ) -> list[list[str]] | None:
-        """Horovod's ``groups``/``num_groups`` as explicit buckets (small tensors go dense)."""
-        names = {p: n for n, p in large}
-        if groups is not None:
-            if isinstance(groups, int):
-                num_groups, groups = groups, None
-            else:
-                return [[names[p] for p in group if p in names] for group in groups]
-        if num_groups and num_groups > 0:
-            ordered = [n for n, _ in reversed(large)]
-            size = -(-len(ordered) // num_groups)
-            return [ordered[i : i + size] for i in range(0, len(ordered), size)]
-        return None
+    def _group_names(self, groups: Any) -> list[list[str]] | None:
+        """Horovod's ``groups`` (lists of parameters) as lists of names; an int is
+        ``num_groups`` and is passed on as such."""
+        if groups is None or isinstance(groups, int):
+            return None
+        names = self._parameter_names
+        return [[names[p] for p in group if p in names] for group in groups]
 
     def _validate_across_ranks(
         self, named: list[tuple[str, torch.Tensor]], problem: Exception | None, process_set: Any
@@ -474,7 +436,7 @@ class SparseOptimizerMixin:
                 if self._step_began is not None:
                     self._scheduler.observe_step(now - self._step_began)
                 self._step_began = now
-                self._reschedule()
+                self._reschedule(self._scheduler)
             if self._trace is not None:
                 self._trace.backward_step(time.perf_counter())
         if self._trace is not None:
@@ -525,7 +487,7 @@ class SparseOptimizerMixin:
             # After this step's schedule and density are known, before any launch.
             self._fusion_planned = True
             self._fusion_runs = self._fusion.plan(
-                [s.reducer.dense_step for s in self._buckets[: len(self._fusion.members)]]
+                [s.sparse_reducer.dense_step for s in self._buckets[: len(self._fusion.members)]]
             )
         # A dense bucket, or a sparse one whose step is dense and owes nothing, reduces
         # the bucket buffer; a sparse step reduces the residual.
@@ -538,15 +500,16 @@ class SparseOptimizerMixin:
             slot.flat[offset : offset + p.numel()].copy_(grad.reshape(-1))
         else:
             # Error feedback straight from p.grad into the residual: no bucket copy.
-            slot.reducer.accumulate(grad, offset, self._prescale)
+            slot.sparse_reducer.accumulate(grad, offset, self._prescale)
         slot.waiting -= 1
         if slot.waiting == 0:
-            if self._fusion is not None and self._fusion.fused(slot.fusion_index):
+            fusion, index = self._fusion, slot.fusion_index
+            if fusion is not None and index is not None and fusion.fused(index):
                 # Its allreduce is its run's, launched with the run's last bucket.
-                slot.reducer.prepare_fused(slot.flat, self._prescale)
-                run = self._fusion.complete(slot.fusion_index)
+                slot.sparse_reducer.prepare_fused(slot.flat, self._prescale)
+                run = fusion.complete(index)
                 if run is not None:
-                    self._launch_dense_run(run)
+                    self._launch_dense_run(fusion, run)
                 return
             # Last gradient of the bucket: start its reduce-scatter now, during backward.
             if in_buffer:
@@ -557,10 +520,10 @@ class SparseOptimizerMixin:
                 kind = "reduce-scatter" if isinstance(slot.stage, ScatterInFlight) else "allreduce"
                 self._trace.launched(slot.bucket.name, slot.bucket.name, kind, time.perf_counter())
 
-    def _launch_dense_run(self, run: list[int]) -> None:
+    def _launch_dense_run(self, fusion: DenseFusion, run: list[int]) -> None:
         """One in-place allreduce over the arena slice of a run of dense buckets."""
         slots = [self._buckets[index] for index in run]
-        arena, start, stop = self._fusion.span(run)
+        arena, start, stop = fusion.span(run)
         name = f"hvds.opt.fused.{slots[0].bucket.name}-{slots[-1].bucket.name}"
         shared = DenseFusion.launch(
             BACKEND,
@@ -571,7 +534,8 @@ class SparseOptimizerMixin:
         )
         now = time.perf_counter()
         for slot in slots:
-            slot.stage = slot.reducer.start_fused(FusedPart(shared, slot.flat, slot.bucket.numel))
+            part = FusedPart(shared, slot.flat, slot.bucket.numel)
+            slot.stage = slot.sparse_reducer.start_fused(part)
             if self._trace is not None:
                 self._trace.launched(slot.bucket.name, slot.bucket.name, "allreduce (fused)", now)
 
@@ -610,8 +574,10 @@ class SparseOptimizerMixin:
             for entry, p in zip(slot.bucket.entries, slot.params):
                 value = result[entry.offset : entry.offset + entry.numel].view_as(p)
                 reduced = self._reduced_grad(p, value)
-                if reduced is value and not p.grad.is_sparse:
-                    p.grad.copy_(value)
+                grad = p.grad
+                assert grad is not None, "_submit gives every parameter a gradient"
+                if reduced is value and not grad.is_sparse:
+                    grad.copy_(value)
                 else:
                     # A sparse gradient's result; or a dense one for a sparse gradient
                     # (momentum correction), copied: the bucket buffer is reused.
@@ -640,6 +606,7 @@ class SparseOptimizerMixin:
         order = reversed(self._buckets) if self._deferred is not None else self._buckets
         for slot in order:
             began = time.perf_counter()
+            assert slot.stage is not None, "_submit launched every bucket"
             was_scatter = isinstance(slot.stage, ScatterInFlight)
             stage = slot.reducer.reduce_and_gather(slot.stage)
             if trace is not None:
@@ -678,19 +645,19 @@ class SparseOptimizerMixin:
                 else:
                     choice.observe(False, seconds, float(accounting["local"]))
 
-    def _reschedule(self) -> None:
+    def _reschedule(self, scheduler: AutoScheduler) -> None:
         """Every ``scheduler_steps`` steps: dense or sparse per bucket (same on every rank)."""
         slots = self._sparse_slots()
-        step = slots[0].reducer.step
-        if not self._scheduler.due(step):
+        step = slots[0].sparse_reducer.step
+        if not scheduler.due(step):
             return
-        self._scheduler.decide(slots[0].flat, step)
+        scheduler.decide(slots[0].flat, step)
         self._apply_schedule()
 
     def _apply_schedule(self) -> None:
         if self._scheduler is not None:
             for choice, slot in zip(self._scheduler.choices, self._sparse_slots()):
-                slot.reducer.force_dense = choice.dense
+                slot.sparse_reducer.force_dense = choice.dense
 
     def schedule(self) -> dict[str, dict[str, Any]]:
         """Per sparse bucket: the exchange the scheduler chose and its predictions.
@@ -708,7 +675,7 @@ class SparseOptimizerMixin:
         for index, slot in enumerate(self._sparse_slots()):
             choice = choices[index] if choices else None
             out[slot.bucket.name] = {
-                "mode": "dense" if slot.reducer.force_dense else "sparse",
+                "mode": "dense" if slot.sparse_reducer.force_dense else "sparse",
                 "overlap": self.overlapping,
                 "predicted_dense_s": choice.predicted_dense if choice else float("nan"),
                 "predicted_sparse_s": choice.predicted_sparse if choice else float("nan"),
@@ -731,11 +698,13 @@ class SparseOptimizerMixin:
 
     def _poll_trace(self) -> None:
         """Note reduce-scatters that finished (the trace's lifetimes); never blocks."""
+        trace = self._trace
+        assert trace is not None, "called only with a trace"
         now = time.perf_counter()
         for slot in self._buckets:
             if slot.stage is not None:
                 done = BACKEND.poll(_handle_of(slot.stage))
-                self._trace.polled(slot.bucket.name, done, now)
+                trace.polled(slot.bucket.name, done, now)
 
     def write_trace(self) -> str | None:
         """Write the Chrome trace (option ``trace``); returns its path, or None."""
@@ -759,12 +728,14 @@ class SparseOptimizerMixin:
         bucket's update is applied before its parameters are next used."""
         if closure is not None:
             raise ValueError("step(closure) is not supported with overlap_allgather=True")
-        self._deferred.apply_all()  # a step() with no forward since the last one
-        self._deferred.defer(self._launch_gathers())
+        deferred = self._deferred
+        assert deferred is not None, "called only with overlap_allgather"
+        deferred.apply_all()  # a step() with no forward since the last one
+        deferred.defer(self._launch_gathers())
         if not self.overlapping:
             # overlap_allgather="auto" judged overlap slower: wait for the all-gathers
             # now, with the same per-bucket updates (the same trajectory).
-            self._deferred.apply_all()
+            deferred.apply_all()
         self._end_step()
         return None
 
@@ -784,6 +755,8 @@ class SparseOptimizerMixin:
         only; afterwards it is what it was (None after ``zero_grad()``), so the next
         backward accumulates into a clean gradient.
         """
+        deferred = self._deferred
+        assert deferred is not None, "called only with overlap_allgather"
         result = self._finish_bucket(slot, stage)
         saved = [p.grad for p in slot.params]
         for entry, p in zip(slot.bucket.entries, slot.params):
@@ -791,12 +764,12 @@ class SparseOptimizerMixin:
                 p, result[entry.offset : entry.offset + entry.numel].view_as(p)
             )
         try:
-            with self._deferred.only(slot.params):
+            with deferred.only(slot.params):
                 self._wrapped_step(None)
         finally:
             for p, grad in zip(slot.params, saved):
                 p.grad = grad
-        if not self._deferred.pending:
+        if not deferred.pending:
             self._record_step()
 
     def flush(self) -> None:
@@ -896,7 +869,7 @@ class SparseOptimizerMixin:
 
     def residuals(self) -> dict[str, torch.Tensor]:
         """This rank's residual per bucket name (flat buffers; read-only views)."""
-        return {slot.bucket.name: slot.reducer.residual for slot in self._sparse_slots()}
+        return {slot.bucket.name: slot.sparse_reducer.residual for slot in self._sparse_slots()}
 
     def velocities(self) -> dict[str, torch.Tensor]:
         """This rank's SGD momentum-correction velocity per bucket name (flat buffers;
@@ -936,7 +909,7 @@ class SparseOptimizerMixin:
             "world_size": self.process_set.size(),
             "owner": self._owner_token,
             "buckets": {
-                slot.bucket.name: _detached(slot.reducer.state_dict())
+                slot.bucket.name: _detached(slot.sparse_reducer.state_dict())
                 for slot in self._sparse_slots()
             },
         }
@@ -954,9 +927,9 @@ class SparseOptimizerMixin:
         """
         mine = {
             slot.bucket.name: (
-                slot.reducer.step,
-                list(slot.reducer.boundaries),
-                slot.reducer.force_dense,
+                slot.sparse_reducer.step,
+                list(slot.sparse_reducer.boundaries),
+                slot.sparse_reducer.force_dense,
             )
             for slot in self._sparse_slots()
         }
@@ -964,13 +937,14 @@ class SparseOptimizerMixin:
         members = getattr(self.process_set, "ranks", None) or list(range(len(everyone)))
         theirs = everyone[members.index(root)]
         for slot in self._sparse_slots():
-            slot.reducer.step, boundaries, _ = theirs[slot.bucket.name]
-            slot.reducer.boundaries = list(boundaries)
+            reducer = slot.sparse_reducer
+            reducer.step, boundaries, _ = theirs[slot.bucket.name]
+            reducer.boundaries = list(boundaries)
         if self._scheduler is not None and self._sparse_slots():
             for choice, slot in zip(self._scheduler.choices, self._sparse_slots()):
                 choice.switch(theirs[slot.bucket.name][2])
             self._apply_schedule()
-            self._scheduler.restart(self._sparse_slots()[0].reducer.step)
+            self._scheduler.restart(self._sparse_slots()[0].sparse_reducer.step)
             self._step_began = None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1018,13 +992,13 @@ class SparseOptimizerMixin:
             saved = sparse_state["buckets"].get(slot.bucket.name)
             if saved is None or saved["residual"].numel() != slot.bucket.numel:
                 raise ValueError(f"checkpoint has no state matching bucket {slot.bucket.name}")
-            slot.reducer.load_state_dict(saved)
+            slot.sparse_reducer.load_state_dict(saved)
             if not exact:
-                slot.reducer.residual.mul_(1.0 / size)
+                slot.sparse_reducer.residual.mul_(1.0 / size)
         if self._scheduler is not None:
             # Decide again at the restored step, the same on every rank that loads: the
             # next decision must not wait for a step count from before the restore.
-            self._scheduler.restart(self._sparse_slots()[0].reducer.step)
+            self._scheduler.restart(self._sparse_slots()[0].sparse_reducer.step)
             self._step_began = None
 
     def _sparse_slots(self) -> list[_BucketSlot]:
@@ -1074,7 +1048,7 @@ def _horovod_state_broadcast_root() -> int | None:
     """The root rank when ``state_dict()`` is the first call of Horovod's
     ``broadcast_optimizer_state``, which every rank makes; else None. (A second call
     follows a state-creating step on some ranks only, so it must send nothing.)"""
-    frame = sys._getframe(2)  # the caller of state_dict()
+    frame: FrameType | None = sys._getframe(2)  # the caller of state_dict()
     for _ in range(3):
         if frame is None:
             return None
@@ -1095,7 +1069,7 @@ def _is_horovod_state_broadcast(frame: Any) -> bool:
 def _called_by_horovod_state_broadcast() -> bool:
     """Whether ``step()`` was called by Horovod's ``broadcast_optimizer_state`` (directly,
     or through a subclass's ``step``), which steps only the ranks whose state is empty."""
-    frame = sys._getframe(2)  # the caller of step()
+    frame: FrameType | None = sys._getframe(2)  # the caller of step()
     for _ in range(3):
         if frame is None:
             return False
@@ -1167,8 +1141,11 @@ def _arena_layout(
     return flats, members, arenas
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+def describe_parameters(
+    named: Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, int, str, int]]:
+    """``(name, numel, dtype name, itemsize)`` per parameter, as the planner takes them."""
+    return [(n, p.numel(), str(p.dtype).replace("torch.", ""), p.element_size()) for n, p in named]
 
 
 def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
@@ -1183,55 +1160,24 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     sparse_as_dense: bool = False,
     process_set: Any = hvd.global_process_set,
     *,
-    density: float = 0.01,
-    min_sparse_numel: int = 1024,
-    fusion_threshold_bytes: int | None = None,
-    selection: str = "threshold",
-    partition: str = "uniform",
-    warmup_steps: int = 0,
-    density_decay_steps: int = 0,
-    reestimate_steps: int = 10,
-    repartition_steps: int = 50,
-    error_feedback: bool = True,
-    momentum_correction: bool | None = None,
     model: torch.nn.Module | None = None,
-    overlap_allgather: bool | str = False,
-    trace: str | None = None,
-    scheduler: str = "fixed",
-    scheduler_steps: int = 100,
-    dense_fusion_bytes: int | None = None,
+    **options: Any,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so its gradients are reduced by sparse allreduce.
 
-    Accepts every argument of ``hvd.DistributedOptimizer`` with the same meaning, plus:
+    Accepts every argument of ``hvd.DistributedOptimizer`` with the same meaning, plus
+    ``model`` (the module being trained; ``overlap_allgather`` needs it: its forward
+    pre-hooks apply each bucket's deferred update, see :mod:`horovod_sparse.torch.overlap`)
+    and the sparse options as keywords: ``density`` (fraction of entries exchanged per
+    bucket, default 0.01), ``min_sparse_numel``, ``selection``, ``partition``,
+    ``warmup_steps``, ``density_decay_steps``, ``momentum_correction``,
+    ``overlap_allgather``, ``scheduler``, ``dense_fusion_bytes``, ``trace`` and the rest of
+    :class:`~horovod_sparse.common.config.SparseConfig`, which documents each.
 
-    Args:
-        density: fraction of gradient entries exchanged per bucket, in (0, 1].
-        min_sparse_numel: tensors with fewer elements use dense ``hvd.allreduce``.
-        fusion_threshold_bytes: bucket size; default ``HOROVOD_FUSION_THRESHOLD`` or 128 MiB.
-        selection, partition, warmup_steps, density_decay_steps, reestimate_steps,
-        repartition_steps: see :class:`~horovod_sparse.common.config.SparseConfig`.
-        overlap_allgather: ``True``: defer each bucket's all-gather and update to a
-            forward pre-hook of the next iteration (needs ``model``; see
-            :mod:`horovod_sparse.torch.overlap`). ``"auto"``: the same, but trials of
-            whole-step time (as with ``scheduler="auto"``, every ``scheduler_steps``)
-            turn it off while waiting for the all-gathers in ``step()`` is faster;
-            :attr:`overlapping` says which is in force. Both refuse
-            ``synchronize()`` (clipping).
-        model: the module being trained, for ``overlap_allgather``.
-        trace: write a Chrome trace of the exchange to this path (``{rank}`` is
-            replaced) with :meth:`write_trace`; :meth:`trace_summary` says how much
-            reduce-scatter time backward hid.
-        scheduler: ``"fixed"`` (every large bucket sparse) or ``"auto"`` (dense or
-            sparse per bucket: a change proposed from each bucket's measured costs
-            runs as a trial and is kept only if whole steps get faster; see
-            :mod:`horovod_sparse.common.scheduler`).
-        scheduler_steps: steps between the automatic scheduler's decisions.
-        dense_fusion_bytes: on a step where adjacent sparse buckets are all dense (the
-            scheduler's choice, warm-up), reduce them as one allreduce of at most this
-            many bytes; default ``HOROVOD_FUSION_THRESHOLD`` or 128 MiB, as Horovod
-            fuses dense gradients; 0: each bucket alone. :attr:`fused_dense_runs`
-            says which buckets were fused.
+    With ``overlap_allgather`` on, :attr:`overlapping` says whether it is in force and
+    ``synchronize()`` (clipping) is refused. With ``trace``, :meth:`write_trace` writes
+    the Chrome trace and :meth:`trace_summary` says how much reduce-scatter time
+    backward hid. :attr:`fused_dense_runs` says which dense buckets were fused.
 
     ``groups`` (lists of parameters) and ``num_groups`` define the fusion buckets.
     The returned object is an instance of ``Sparse<OptimizerClass>``, a subclass of both
@@ -1257,24 +1203,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
         groups=groups,
         sparse_as_dense=sparse_as_dense,
         process_set=process_set,
-        momentum_correction=momentum_correction,
         model=model,
-        overlap_allgather=overlap_allgather,
-        trace=trace,
-        scheduler=scheduler,
-        scheduler_steps=scheduler_steps,
-        config_knobs=dict(
-            density=density,
-            min_sparse_numel=min_sparse_numel,
-            fusion_threshold_bytes=fusion_threshold_bytes,
-            selection=selection,
-            partition=partition,
-            warmup_steps=warmup_steps,
-            density_decay_steps=density_decay_steps,
-            reestimate_steps=reestimate_steps,
-            repartition_steps=repartition_steps,
-            error_feedback=error_feedback,
-            dense_fusion_bytes=dense_fusion_bytes,
-        ),
+        options=options,
     )
     return wrapped

@@ -1,4 +1,4 @@
-"""Environment assumptions the torch adapter relies on (DESIGN section 5)."""
+"""Environment assumptions the torch adapter relies on (docs/design.md §9)."""
 
 import horovod.torch as hvd
 import torch

@@ -53,7 +53,7 @@ def test_matches_single_process_reference(graph):
     k = budget(numel, density)
 
     def reduce(x):
-        return hvds.sparse_allreduce(x, density=density, name="ref", op=hvd.Sum)
+        return hvds.sparse_allreduce(x, density=density, name="ref", op=hvd.Sum, selection="exact")
 
     fn = tf.function(reduce) if graph else reduce
     before = np.zeros(numel, np.float32)
@@ -69,13 +69,25 @@ def test_matches_single_process_reference(graph):
         before = after.copy()
 
 
-def test_residual_invariant_50_steps():
+@pytest.mark.parametrize("partition", ["uniform", "balanced"])
+@pytest.mark.parametrize("selection", ["threshold", "exact"])
+def test_residual_invariant_50_steps(selection, partition):
+    """The traced function runs 50 times: the threshold, the step count and the
+    boundaries live in variables, so the selection and the re-partitions move on."""
     hvds.reset_residuals()
     numel, size = 30_000, hvd.size()
 
     @tf.function
     def reduce(x):
-        return hvds.sparse_allreduce(x, density=0.01, name="inv", op=hvd.Average)
+        return hvds.sparse_allreduce(
+            x,
+            density=0.01,
+            name="inv",
+            op=hvd.Average,
+            selection=selection,
+            partition=partition,
+            repartition_steps=7,
+        )
 
     before = np.zeros(numel, np.float64)
     for step in range(50):
@@ -90,11 +102,63 @@ def test_residual_invariant_50_steps():
         np.testing.assert_allclose(lhs.numpy(), rhs.numpy(), rtol=0, atol=1e-4)
         assert int(tf.math.count_nonzero(out)) == budget(numel, 0.01)
         before = after.numpy().astype(np.float64)
+        assert_identical([out], f"inv.{selection}.{partition}.{step}")
+        if step == 0:  # a first call that creates variables traces twice, then never again
+            traces = reduce.experimental_get_tracing_count()
+    assert reduce.experimental_get_tracing_count() == traces
     s = hvds.stats("inv")
     assert s.selected == budget(numel, 0.01)
     assert abs(s.dense_bytes - 4 * numel * (size - 1) / size * 4) <= 2
-    # 2% of dense for the rows, plus the fixed 4 x 1 KiB histogram allreduces each way.
-    assert 0 < s.bytes_sent + s.bytes_received < 0.03 * s.dense_bytes + 8 * 1024
+    # 2% of dense for the rows, plus the fixed 4 x 1 KiB histogram allreduces each way,
+    # plus, on a re-partition step (49 is one: 49 % 7 == 0), the position histogram's
+    # ring allreduce of 256 * P int32 each way.
+    repartition = 2 * (2 * 256 * size * (size - 1) * 4 // size) if partition == "balanced" else 0
+    assert 0 < s.bytes_sent + s.bytes_received < 0.03 * s.dense_bytes + 8 * 1024 + repartition
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_warmup_steps_are_dense_then_sparse(graph):
+    """Warm-up under one trace: a tf.cond on the step variable picks the dense kind for
+    the first steps (equal to Horovod's allreduce), then the sparse one; no mass lost."""
+    hvds.reset_residuals()
+    numel, warmup, size = 20_000, 3, hvd.size()
+
+    def reduce(x):
+        return hvds.sparse_allreduce(
+            x, density=0.01, name="warm", op=hvd.Average, warmup_steps=warmup
+        )
+
+    fn = tf.function(reduce) if graph else reduce
+    before = np.zeros(numel, np.float64)
+    for step in range(7):
+        grad = local_grad(step, numel)
+        out = fn(grad)
+        after = hvds.residual_variables()["warm"]
+        if step < warmup:
+            dense = hvd.allreduce(grad, op=hvd.Average, name=f"warm.dense.{graph}.{step}")
+            np.testing.assert_allclose(out.numpy(), dense.numpy(), rtol=1e-6, atol=1e-7)
+            np.testing.assert_array_equal(after.numpy(), np.zeros(numel, np.float32))
+            assert hvds.stats("warm").dense_buckets == 1
+        else:
+            assert int(tf.math.count_nonzero(out)) == budget(numel, 0.01)
+            assert hvds.stats("warm").sparse_buckets == 1
+        lhs = hvd.allreduce(tf.cast(after, tf.float64), op=hvd.Sum, name=f"warm.l.{graph}.{step}")
+        lhs += size * tf.cast(out, tf.float64)
+        rhs = hvd.allreduce(
+            tf.constant(before) + tf.cast(grad, tf.float64),
+            op=hvd.Sum,
+            name=f"warm.r.{graph}.{step}",
+        )
+        np.testing.assert_allclose(lhs.numpy(), rhs.numpy(), rtol=0, atol=1e-4)
+        before = after.numpy().astype(np.float64)
+        assert_identical([out], f"warm.{graph}.{step}")
+
+
+def test_options_tensorflow_does_not_act_on_are_refused():
+    with pytest.raises(ValueError, match="density_decay_steps=5 does not apply"):
+        hvds.sparse_allreduce(tf.ones([10]), name="bad", density_decay_steps=5)
+    with pytest.raises(TypeError, match="unknown option"):
+        hvds.sparse_allreduce(tf.ones([10]), name="bad", densty=0.1)
 
 
 def make_model(seed=3):
@@ -150,7 +214,9 @@ def test_gradient_tape_matches_reference_and_keeps_local_sources():
             loss = tf.reduce_sum(layer(x) * c) + tf.reduce_sum(local * float(hvd.rank() + 1))
         kernel_grad = (x.T @ c).reshape(-1)  # d loss / d kernel, this rank
         accumulators = gather_rows(before + kernel_grad, f"t2.acc.{step}")
-        dtape = hvds.DistributedGradientTape(tape, density=density, op=hvd.Sum, name="t2")
+        dtape = hvds.DistributedGradientTape(
+            tape, density=density, op=hvd.Sum, name="t2", selection="exact"
+        )
         dtape.register_local_source(local)
         g_kernel, g_local = dtape.gradient(loss, [layer.kernel, local])
         np.testing.assert_array_equal(g_local.numpy(), np.full(3, hvd.rank() + 1, np.float32))
@@ -292,7 +358,7 @@ def test_keras_momentum_correction_sends_velocity_and_masks_it():
     k = budget(numel, density)
     weight = keras.Variable(np.zeros(numel, np.float32), name="w")
     opt = hvds_keras.DistributedOptimizer(
-        keras.optimizers.SGD(1.0, momentum=momentum), density=density
+        keras.optimizers.SGD(1.0, momentum=momentum), density=density, selection="exact"
     )
     assert opt.momentum_correction  # the default for a sparse momentum SGD
     residual, velocity = np.zeros(numel, np.float32), np.zeros(numel, np.float32)

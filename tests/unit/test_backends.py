@@ -139,8 +139,12 @@ BACKENDS = {"torch": _torch_backend, "tensorflow": _tf_backend}
 @pytest.mark.parametrize("density", [0.01, 0.2, 1.0])
 @pytest.mark.parametrize(
     "framework,selection",
-    # TF runs the stateless stages only (horovod_sparse.tensorflow.reducer.tf_config).
-    [("torch", "exact"), ("torch", "threshold"), ("tensorflow", "exact")],
+    [
+        ("torch", "exact"),
+        ("torch", "threshold"),
+        ("tensorflow", "exact"),
+        ("tensorflow", "threshold"),
+    ],
 )
 def test_single_rank_pipeline_matches_reference(framework, selection, density):
     ops, to, back = BACKENDS[framework]()

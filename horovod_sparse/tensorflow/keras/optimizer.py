@@ -19,22 +19,30 @@ Clipping then bounds the reduced step direction rather than the reduced gradient
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 
 from horovod_sparse.common.classes import combined_class
-from horovod_sparse.common.config import SparseConfig, optimizer_scales
+from horovod_sparse.common.config import SparseConfig, make_config, optimizer_scales, take_options
 from horovod_sparse.common.stats import StepStats
-from horovod_sparse.tensorflow.reducer import GradientReducer, op_name, tf_config
+from horovod_sparse.tensorflow.reducer import TF_OPTIONS, GradientReducer, op_name
 from horovod_sparse.tensorflow.validation import check_variables, describe, validate_across_ranks
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
 
 
-class SparseOptimizerMixin:
+if TYPE_CHECKING:
+    # What the mixin is combined with (combined_class): type checkers see the Keras
+    # optimizer's methods and attributes; at run time the mixin has no base of its own.
+    from keras.optimizers import Optimizer as _OptimizerBase
+else:
+    _OptimizerBase = object
+
+
+class SparseOptimizerMixin(_OptimizerBase):
     """Put in front of a Keras 3 optimizer class to reduce gradients sparsely.
 
     Takes the sparse keywords of :func:`DistributedOptimizer` next to the optimizer's own.
@@ -48,9 +56,6 @@ class SparseOptimizerMixin:
     def __init__(
         self,
         *args: Any,
-        density: float = 0.01,
-        min_sparse_numel: int = 1024,
-        fusion_threshold_bytes: int | None = None,
         compression: Any = hvd.Compression.none,
         sparse_as_dense: bool = False,
         gradient_predivide_factor: float = 1.0,
@@ -60,13 +65,13 @@ class SparseOptimizerMixin:
         num_groups: int = 0,
         groups: Any = None,
         process_set: Any = hvd.global_process_set,
-        error_feedback: bool = True,
-        momentum_correction: bool | None = None,
         **kwargs: Any,
     ) -> None:
-        # A bad knob is not raised here: it becomes this rank's verdict in the validation
-        # collective of build(), so every rank raises instead of one rank raising while
-        # the others wait in a collective.
+        # The sparse options (SparseConfig's fields) are taken out of the keywords; the
+        # rest belong to the Keras optimizer. A bad one is not raised here: it becomes
+        # this rank's verdict in the validation collective of build(), so every rank
+        # raises instead of one rank raising while the others wait in a collective.
+        options = take_options(kwargs)
         problem: Exception | None = None
         config: SparseConfig | None = None
         try:
@@ -76,12 +81,8 @@ class SparseOptimizerMixin:
                 )
             if backward_passes_per_step > 1:
                 kwargs["gradient_accumulation_steps"] = int(backward_passes_per_step)
-            config = tf_config(
-                density=density,
-                min_sparse_numel=min_sparse_numel,
-                fusion_threshold_bytes=fusion_threshold_bytes,
-                error_feedback=error_feedback,
-            )
+            config = make_config(options)
+            config.unsupported("the Keras optimizer", TF_OPTIONS)
         except (TypeError, ValueError) as error:
             problem = error
         super().__init__(*args, **kwargs)  # Keras wants it before any attribute is set
@@ -90,7 +91,8 @@ class SparseOptimizerMixin:
         self._corrected_momentum, self._corrected_nesterov = 0.0, False
         if problem is None:
             try:
-                self._take_momentum(momentum_correction, config)
+                assert config is not None
+                self._take_momentum(config.momentum_correction, config)
             except ValueError as error:
                 problem = error
         self._sparse_problem = problem
@@ -111,14 +113,10 @@ class SparseOptimizerMixin:
             else float(max(1, int(backward_passes_per_step)))
         )
         self._sparse_kwargs = dict(
-            density=density,
-            min_sparse_numel=min_sparse_numel,
-            fusion_threshold_bytes=fusion_threshold_bytes,
-            error_feedback=error_feedback,
+            options,
             sparse_as_dense=sparse_as_dense,
             gradient_predivide_factor=gradient_predivide_factor,
             average_aggregated_gradients=average_aggregated_gradients,
-            momentum_correction=momentum_correction,
         )
         self._gradient_reducer: GradientReducer | None = None
 
@@ -140,7 +138,8 @@ class SparseOptimizerMixin:
         self._corrected_momentum, self._corrected_nesterov = float(self.momentum), self.nesterov
         # Keras's SGD reads these in build() and update_step(): with momentum 0 it
         # creates no slots and applies -lr * gradient.
-        self.momentum, self.nesterov = 0.0, False
+        self.momentum: float = 0.0
+        self.nesterov: bool = False
 
     @property
     def momentum_correction(self) -> bool:
@@ -182,6 +181,7 @@ class SparseOptimizerMixin:
             # Optimizer variables: saved and restored with the model's checkpoint.
             return self.add_variable((numel,), dtype=dtype.name, name=f"sparse_{kind}_{name}")
 
+        assert self.sparse_config is not None  # else validation raised above
         self._gradient_reducer = GradientReducer(
             variables,
             self.sparse_config,
@@ -254,12 +254,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     groups: Any = None,
     process_set: Any = hvd.global_process_set,
     scale_local_gradients: bool = True,
-    *,
-    density: float = 0.01,
-    min_sparse_numel: int = 1024,
-    fusion_threshold_bytes: int | None = None,
-    error_feedback: bool = True,
-    momentum_correction: bool | None = None,
+    **options: Any,
 ) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so every update uses sparse allreduce.
 
@@ -268,18 +263,18 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     compatibility and have no effect). Wrap before the first step: the new optimizer is
     built from ``optimizer.get_config()``, so slot variables start fresh.
 
-    Sparse keywords: ``density`` (fraction of entries exchanged per bucket),
+    Sparse options: those of :class:`~horovod_sparse.common.config.SparseConfig` that
+    TF acts on: ``density`` (fraction of entries exchanged per bucket),
     ``min_sparse_numel`` (smaller variables go through a dense allreduce),
-    ``fusion_threshold_bytes`` (bucket capacity; ``None`` follows
-    ``HOROVOD_FUSION_THRESHOLD``) and ``error_feedback``: ``True`` keeps the entries not
-    sent in a residual that is added to later steps; ``False`` zeroes that residual at the
-    end of every step (ablation only: unsent entries are dropped, which loses gradient
-    mass). ``momentum_correction`` (default ``None``: on for ``keras.optimizers.SGD``
-    with momentum when ``density < 1``) runs the momentum on each rank's gradient before
-    the exchange and steps the SGD with its momentum off; the velocity is saved with the
-    optimizer's variables. Its velocity holds gradients, as torch's SGD does, where
-    Keras's holds ``lr * g`` terms: under a learning-rate schedule past steps are scaled
-    by the current rate, not by their own.
+    ``selection``, ``partition``, ``fusion_threshold_bytes`` (bucket capacity; ``None``
+    follows ``HOROVOD_FUSION_THRESHOLD``), ``reestimate_steps``, ``repartition_steps``,
+    ``error_feedback`` (``False`` zeroes the residual at the end of every step: ablation
+    only, it loses gradient mass) and ``momentum_correction`` (default ``None``: on for
+    ``keras.optimizers.SGD`` with momentum when ``density < 1``), which runs the
+    momentum on each rank's gradient before the exchange and steps the SGD with its
+    momentum off; the velocity is saved with the optimizer's variables. Its velocity
+    holds gradients, as torch's SGD does, where Keras's holds ``lr * g`` terms: under a
+    learning-rate schedule past steps are scaled by the current rate, not by their own.
 
     Invalid keywords (e.g. ``density`` outside (0, 1]) are not raised here: they are
     reported when the optimizer is built (first step, or ``optimizer.build``), on every
@@ -300,11 +295,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     cls = combined_class(SparseOptimizerMixin, type(optimizer), __name__, register)
     return cls(
         **config,
-        density=density,
-        min_sparse_numel=min_sparse_numel,
-        fusion_threshold_bytes=fusion_threshold_bytes,
-        error_feedback=error_feedback,
-        momentum_correction=momentum_correction,
+        **options,
         compression=compression,
         sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor,
