@@ -87,6 +87,25 @@ class Backend(Protocol):
     def add_scaled_at_(self, buffer: Tensor, offset: int, tensor: Tensor, factor: float) -> Tensor:
         """``buffer[offset:offset + numel] += factor * tensor.flatten()``; returns it."""
 
+    def add_scaled(self, tensor: Tensor, other: Tensor, factor: float) -> Tensor:
+        """A new ``tensor + factor * other``."""
+
+    def momentum_update_(
+        self, buffer: Tensor, value: Tensor, momentum: float, weight: float
+    ) -> Tensor:
+        """``momentum * buffer + weight * value``, in place where the framework allows."""
+
+    def moving_average_(self, buffer: Tensor, value: Tensor, beta: float) -> Tensor:
+        """``beta * buffer + (1 - beta) * value``, in place where the framework allows."""
+
+    def moving_average_of_square_(self, buffer: Tensor, value: Tensor, beta: float) -> Tensor:
+        """``beta * buffer + (1 - beta) * value**2``, in place where the framework allows."""
+
+    def adam_ratio(
+        self, first: Tensor, second: Tensor, first_scale: Any, second_scale: Any, eps: float
+    ) -> Tensor:
+        """A new ``(first / first_scale) / (sqrt(second / second_scale) + eps)``."""
+
     def copy(self, tensor: Tensor) -> Tensor: ...
     def assign(self, buffer: Tensor, source: Any) -> Tensor:
         """``buffer``'s contents replaced by ``source`` (any device, same length)."""

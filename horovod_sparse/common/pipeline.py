@@ -12,8 +12,11 @@ Invariant (checked by the tests): for every step, summed over ranks,
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from horovod_sparse.common.backend import Backend, Tensor
 from horovod_sparse.common.config import SparseConfig, budget
@@ -30,7 +33,81 @@ from horovod_sparse.common.reduction import owner_reduce
 from horovod_sparse.common.selection import make_selection
 from horovod_sparse.common.stats import StepStats, allgather_ring_bytes, allreduce_ring_bytes
 
-__all__ = ["BucketReducer", "DenseBucketReducer", "GatherInFlight", "ScatterInFlight"]
+__all__ = [
+    "BucketReducer",
+    "DenseBucketReducer",
+    "GatherInFlight",
+    "ScatterInFlight",
+    "StepKind",
+    "StepRecord",
+]
+
+
+class StepKind(enum.Enum):
+    """Which exchange a bucket's step takes (docs/design.md §3), chosen in one place:
+    :meth:`BucketReducer.step_kind`."""
+
+    SPARSE = "sparse"  # selection, reduce-scatter, global selection, all-gather
+    DENSE_FROM_RESIDUAL = "dense from the residual"  # allreduce of residual + gradients
+    DENSE_IN_BUFFER = "dense in the buffer"  # allreduce of the gradients; residual clear
+    DENSE_FUSED = "dense, fused"  # one allreduce with adjacent dense buckets
+
+    @property
+    def dense(self) -> bool:
+        return self is not StepKind.SPARSE
+
+
+@dataclass
+class StepRecord:
+    """What one bucket's step did, as its stages measured it.
+
+    Figures are host numbers or device scalars (a traced TF step keeps them as graph
+    tensors); making a record reads nothing from the device. ``stats_of`` (of the reducer
+    that made it) turns a host copy (:meth:`on_host`) into :class:`StepStats`; an
+    automatic scheduler reads ``dense``, ``seconds_select + seconds_exchange`` and
+    ``seconds_local``. A reducer makes a new record every step, so a caller may keep one.
+    """
+
+    dense: Any = 0  # 1 for a dense step
+    rows_sent: Any = 0  # alltoall rows this rank sent to the other ranks
+    rows_received: Any = 0  # alltoall rows it received from them
+    gathered_rows: Any = 0  # rows in the result (n for a dense step)
+    own_rows: Any = 0  # of which this owner's
+    next_rows: Any = 0  # of which the next rank's (ring accounting)
+    seconds_select: Any = 0.0  # local and global selection
+    seconds_exchange: Any = 0.0  # issuing and waiting for collectives
+    extra_bytes: Any = 0  # one way: the partition histogram, or a dense step's allreduce
+    seconds_local: Any = 0.0  # local work only, no waits: the scheduler's cost model
+    send_splits: Any = None  # alltoall rows per destination rank
+    recv_splits: Any = None  # alltoall rows per source rank
+    row_bytes: int = 0  # alltoall row width, fixed by the dtypes
+    gather_row_bytes: int = 0  # all-gather row width
+
+    # The figures a traced step stores in a variable, in this order (see numbers()).
+    NUMBERS: ClassVar[tuple[str, ...]] = (
+        "dense",
+        "rows_sent",
+        "rows_received",
+        "gathered_rows",
+        "own_rows",
+        "next_rows",
+        "seconds_select",
+        "seconds_exchange",
+        "extra_bytes",
+    )
+
+    def numbers(self) -> list[Any]:
+        """The :attr:`NUMBERS` figures, in order."""
+        return [getattr(self, name) for name in self.NUMBERS]
+
+    def with_numbers(self, values: Sequence[float]) -> StepRecord:
+        """A copy whose :attr:`NUMBERS` figures are ``values`` (read back from storage)."""
+        figures: dict[str, Any] = dict(zip(self.NUMBERS, values))
+        return dataclasses.replace(self, **figures)
+
+    def on_host(self, ops: Backend) -> StepRecord:
+        """A copy with host numbers (reads any device scalar: call it for statistics)."""
+        return self.with_numbers([ops.to_host_number(v) for v in self.numbers()])
 
 
 @dataclass
@@ -71,8 +148,6 @@ class BucketReducer:
         compression: the adapter's value compression (Horovod ``Compression``), or None.
     """
 
-    NUM_COUNTS = 9  # len(step_counts())
-
     def __init__(
         self,
         ops: Backend,
@@ -111,7 +186,7 @@ class BucketReducer:
         self.k = config.budget(numel)  # budget of the current step
         self._dense_lost: Tensor | None = None  # compression rounding of a dense step
         self._dense_from_residual = False  # whether a dense step reduces the residual
-        self._accounting: dict[str, Any] = {}
+        self.last_record = StepRecord()  # what the last step did
 
     @property
     def step(self) -> Any:
@@ -175,6 +250,36 @@ class BucketReducer:
             self.numel
         )
 
+    def step_kind(self, fused: bool = False) -> StepKind:
+        """The kind of the next step: ``fused`` when dense-step fusion put this bucket in
+        a run (:mod:`~horovod_sparse.common.fusion`, planned from :attr:`dense_step`);
+        otherwise from the schedule and whether the residual owes anything."""
+        if fused:
+            return StepKind.DENSE_FUSED
+        if self.dense_in_buffer:
+            return StepKind.DENSE_IN_BUFFER
+        if self.dense_step:
+            return StepKind.DENSE_FROM_RESIDUAL
+        return StepKind.SPARSE
+
+    def gradients_in_buffer(self, kind: StepKind) -> bool:
+        """Whether this step's gradients are copied into the bucket buffer (a dense step
+        while the residual owes nothing) rather than added to the residual."""
+        return kind is StepKind.DENSE_IN_BUFFER or (
+            kind is StepKind.DENSE_FUSED and self.residual_clear
+        )
+
+    def launch(self, kind: StepKind, buffer: Tensor, prescale: float = 1.0) -> Any:
+        """Start a step of ``kind`` once all gradients are in (see
+        :meth:`gradients_in_buffer`): the in-flight state, or None for a fused step,
+        whose run's allreduce the adapter launches (:meth:`start_fused`)."""
+        if kind is StepKind.DENSE_FUSED:
+            self.prepare_fused(buffer, prescale)
+            return None
+        if kind is StepKind.DENSE_IN_BUFFER:
+            return self.start_in_buffer(buffer, prescale)
+        return self.start(None, dense=kind is StepKind.DENSE_FROM_RESIDUAL)
+
     def start(
         self, grad: Tensor | None, prescale: float = 1.0, dense: bool | None = None
     ) -> ScatterInFlight | GatherInFlight:
@@ -226,15 +331,15 @@ class BucketReducer:
         sent = spar_reduce_scatter_start(
             ops, indices, wire, boundaries, self.name, self.process_set
         )
-        self._accounting = {
-            "dense": 0,
-            "extra_bytes": partition_bytes,
-            "select": selected - began,
-            "select_local": selected - began,
-            "exchange": ops.clock() - selected,
-            "send_splits": sent.send_splits,
-            "row_bytes": row_bytes(ops.itemsize(wire)),
-        }
+        self.last_record = StepRecord(
+            extra_bytes=partition_bytes,
+            seconds_select=selected - began,
+            seconds_local=selected - began,
+            seconds_exchange=ops.clock() - selected,
+            send_splits=sent.send_splits,
+            rows_sent=ops.sum_except(sent.send_splits, self.rank),
+            row_bytes=row_bytes(ops.itemsize(wire)),
+        )
         return ScatterInFlight(sent, wire, ctx)
 
     def start_in_buffer(self, buffer: Tensor, prescale: float = 1.0) -> GatherInFlight:
@@ -272,7 +377,7 @@ class BucketReducer:
         else:
             handle = ops.allreduce_sum_async(wire, name, self.process_set)
         self._dense_lost = lost
-        self._accounting = self._dense_accounting(ops.itemsize(wire), ops.clock() - began)
+        self.last_record = self._dense_record(ops.itemsize(wire), ops.clock() - began)
         return GatherInFlight(handle, 0, wire, ctx)
 
     def prepare_fused(self, buffer: Tensor, prescale: float = 1.0) -> None:
@@ -298,24 +403,21 @@ class BucketReducer:
         self.step += 1
         self._dense_from_residual = False
         self._dense_lost = None
-        self._accounting = self._dense_accounting(ops.itemsize(buffer), 0.0)
+        self.last_record = self._dense_record(ops.itemsize(buffer), 0.0)
 
     def start_fused(self, part: FusedPart) -> GatherInFlight:
         """The in-flight state of a :meth:`prepare_fused` step once its run's allreduce
         is launched over ``part.buffer`` and its neighbours. Launches nothing."""
         return GatherInFlight(part, 0, part.buffer, None)
 
-    def _dense_accounting(self, wire_itemsize: int, exchange_s: float) -> dict[str, Any]:
-        return {
-            "dense": 1,
-            "extra_bytes": allreduce_ring_bytes(self.numel, self.world_size, wire_itemsize)[0],
-            "select": 0.0,
-            "exchange": exchange_s,
-            "send_splits": [0] * self.world_size,
-            "recv_splits": [0] * self.world_size,
-            "row_bytes": 0,
-            "gather_row_bytes": 0,
-        }
+    def _dense_record(self, wire_itemsize: int, exchange_s: Any) -> StepRecord:
+        return StepRecord(
+            dense=1,
+            extra_bytes=allreduce_ring_bytes(self.numel, self.world_size, wire_itemsize)[0],
+            seconds_exchange=exchange_s,
+            send_splits=[0] * self.world_size,
+            recv_splits=[0] * self.world_size,
+        )
 
     # ---------------------------------------------------------------- stage 2
     def reduce_and_gather(self, inflight: ScatterInFlight | GatherInFlight) -> GatherInFlight:
@@ -328,11 +430,12 @@ class BucketReducer:
         """
         if isinstance(inflight, GatherInFlight):  # a dense step has no second stage
             return inflight
-        ops, acc = self.ops, self._accounting
+        ops, record = self.ops, self.last_record
         began = ops.clock()
         rows, recv_splits = ops.wait(inflight.sent.handle)
         received = ops.clock(rows)
-        acc["recv_splits"] = recv_splits
+        record.recv_splits = recv_splits
+        record.rows_received = ops.sum_except(recv_splits, self.rank)
         lo = self.boundaries[self.rank]  # start of this owner's region
         # Step 6a: owner reduction (duplicates from different ranks add up).
         region_indices, sums = owner_reduce(
@@ -360,11 +463,15 @@ class BucketReducer:
         if lost is not None:
             self.residual = ops.add_at(self.residual, bucket_idx, lost)
         handle = spar_all_gather_start(ops, bucket_idx, wire, self.name, self.process_set)
-        acc["select"] = acc["select"] + (selected - received)
+        record.seconds_select = record.seconds_select + (selected - received)
         # Local work only (no collective waits), for an automatic scheduler's cost model.
-        acc["local"] = acc["select_local"] + (reduced - received) + (selected - thresholded)
-        acc["exchange"] = acc["exchange"] + (received - began) + (ops.clock() - selected)
-        acc["gather_row_bytes"] = row_bytes(ops.itemsize(wire))
+        record.seconds_local = (
+            record.seconds_local + (reduced - received) + (selected - thresholded)
+        )
+        record.seconds_exchange = (
+            record.seconds_exchange + (received - began) + (ops.clock() - selected)
+        )
+        record.gather_row_bytes = row_bytes(ops.itemsize(wire))
         return GatherInFlight(handle, ops.num_rows(bucket_idx), wire, ctx)
 
     # ---------------------------------------------------------------- stage 3
@@ -376,17 +483,17 @@ class BucketReducer:
         Sends nothing more. Returns ``postscale * sum`` as a flat buffer of length n,
         written into ``out`` when given (saves allocating n elements every step).
         """
-        ops, acc = self.ops, self._accounting
+        ops, record = self.ops, self.last_record
         if isinstance(inflight.handle, FusedPart):
             rows, waited = inflight.handle.wait(ops)
         else:
             began = ops.clock()
             rows = ops.wait(inflight.handle)
             waited = ops.clock(rows) - began
-        acc["exchange"] = acc["exchange"] + waited
-        if acc["dense"]:
+        record.seconds_exchange = record.seconds_exchange + waited
+        if record.dense:
             summed = ops.decompress(rows, inflight.compression_ctx)
-            acc["gather_total"] = acc["gather_own"] = acc["gather_next"] = self.numel
+            record.gathered_rows = record.own_rows = record.next_rows = self.numel
             if postscale != 1.0:
                 summed = ops.scale(summed, postscale)
             if out is not None and summed is out:
@@ -407,9 +514,9 @@ class BucketReducer:
             values = ops.scale(values, postscale)  # scale the k kept values, not all n
         result = ops.scatter_into(self.numel, like, indices, values, out)
         nxt = (self.rank + 1) % self.world_size
-        acc["gather_total"] = ops.num_rows(indices)
-        acc["gather_own"] = inflight.own_rows
-        acc["gather_next"] = ops.count_in_range(
+        record.gathered_rows = ops.num_rows(indices)
+        record.own_rows = inflight.own_rows
+        record.next_rows = ops.count_in_range(
             indices, self.boundaries[nxt], self.boundaries[nxt + 1]
         )
         if not self.config.error_feedback:
@@ -418,64 +525,40 @@ class BucketReducer:
         return result
 
     # ---------------------------------------------------------------- stats
-    def step_counts(self) -> list[Any]:
-        """Raw figures of the last step, host numbers or device scalars (an adapter may
-        store them in a variable inside a graph): alltoall rows sent and received,
-        allgather rows in total / own / next rank's, seconds selecting and exchanging,
-        1 for a dense step, and one-way bytes of any extra collective (partition
-        histogram, or the dense step's allreduce)."""
-        ops, acc = self.ops, self._accounting
-        return [
-            ops.sum_except(acc["send_splits"], self.rank),
-            ops.sum_except(acc["recv_splits"], self.rank),
-            acc["gather_total"],
-            acc["gather_own"],
-            acc["gather_next"],
-            acc["select"],
-            acc["exchange"],
-            acc["dense"],
-            acc["extra_bytes"],
-        ]
-
-    def step_record(self) -> tuple[list[Any], dict[str, Any]]:
-        """The last step's figures without reading the device: pass them, converted
-        to host numbers, to :meth:`stats_from_counts` whenever statistics are wanted."""
-        return self.step_counts(), dict(self._accounting)
-
-    def stats_from_counts(
-        self, counts: list[float], accounting: dict[str, Any] | None = None
-    ) -> StepStats:
-        """:class:`StepStats` from host values of :meth:`step_counts` (and the
-        accounting of the same step, default: the last one)."""
-        rs_sent, rs_received, total, own, next_rows, select, exchange, dense, extra = counts
-        acc = self._accounting if accounting is None else accounting
+    def stats_of(self, record: StepRecord) -> StepStats:
+        """:class:`StepStats` of a step from its record with host numbers
+        (:meth:`StepRecord.on_host`)."""
         dense_sent, dense_received = allreduce_ring_bytes(
             self.numel, self.world_size, self.ops.itemsize(self.residual)
         )
-        sent = received = int(extra)
-        if not int(dense):
+        sent = received = int(record.extra_bytes)
+        dense = int(record.dense)
+        if not dense:
             ag_sent, ag_received = allgather_ring_bytes(
-                int(total), int(own), int(next_rows), acc["gather_row_bytes"]
+                int(record.gathered_rows),
+                int(record.own_rows),
+                int(record.next_rows),
+                record.gather_row_bytes,
             )
             hist_sent, hist_received = histogram_bytes(self.world_size)
-            sent += int(rs_sent) * acc["row_bytes"] + ag_sent + hist_sent
-            received += int(rs_received) * acc["row_bytes"] + ag_received + hist_received
+            sent += int(record.rows_sent) * record.row_bytes + ag_sent + hist_sent
+            received += int(record.rows_received) * record.row_bytes + ag_received + hist_received
         return StepStats(
             bytes_sent=sent,
             bytes_received=received,
             dense_bytes=dense_sent + dense_received,
             numel=self.numel,
-            selected=int(total),
-            density=int(total) / self.numel,
-            seconds_select=float(select),
-            seconds_exchange=float(exchange),
-            dense_buckets=int(dense),
-            sparse_buckets=1 - int(dense),
+            selected=int(record.gathered_rows),
+            density=int(record.gathered_rows) / self.numel,
+            seconds_select=float(record.seconds_select),
+            seconds_exchange=float(record.seconds_exchange),
+            dense_buckets=dense,
+            sparse_buckets=1 - dense,
         )
 
     def last_stats(self) -> StepStats:
         """Statistics of the most recent completed step (reads device scalars)."""
-        return self.stats_from_counts([self.ops.to_host_number(c) for c in self.step_counts()])
+        return self.stats_of(self.last_record.on_host(self.ops))
 
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -517,7 +600,6 @@ class DenseBucketReducer:
     Sends: one ring allreduce of n values (2n(P-1)/P each way). Keeps: nothing.
     """
 
-    NUM_COUNTS = 1  # len(step_counts())
     # Every step reduces the buffer of gradients (see BucketReducer.dense_in_buffer).
     dense_in_buffer = True
 
@@ -538,7 +620,7 @@ class DenseBucketReducer:
         self.world_size = ops.size(process_set)
         self._grad_itemsize = ops.itemsize(like)
         self._wire_itemsize = self._grad_itemsize
-        self._seconds = 0.0
+        self.last_record = StepRecord(dense=1)
 
     def start(self, grad: Tensor, prescale: float = 1.0) -> GatherInFlight:
         began = self.ops.clock()
@@ -546,11 +628,26 @@ class DenseBucketReducer:
         wire, ctx, _ = self.ops.compress(scaled, self.compression)
         self._wire_itemsize = self.ops.itemsize(wire)
         handle = self.ops.allreduce_sum_async(wire, f"{self.name}.dense", self.process_set)
-        self._seconds = self.ops.clock() - began
+        self.last_record = StepRecord(
+            dense=1,
+            gathered_rows=self.numel,
+            own_rows=self.numel,
+            next_rows=self.numel,
+            seconds_exchange=self.ops.clock() - began,
+        )
         return GatherInFlight(handle, 0, wire, ctx)
 
     def start_in_buffer(self, buffer: Tensor, prescale: float = 1.0) -> GatherInFlight:
         """:meth:`start` under the name :class:`BucketReducer` uses for a dense step."""
+        return self.start(buffer, prescale)
+
+    def step_kind(self, fused: bool = False) -> StepKind:
+        return StepKind.DENSE_IN_BUFFER  # never fused: its buffer is not in an arena
+
+    def gradients_in_buffer(self, kind: StepKind) -> bool:
+        return True
+
+    def launch(self, kind: StepKind, buffer: Tensor, prescale: float = 1.0) -> Any:
         return self.start(buffer, prescale)
 
     def reduce_and_gather(self, inflight: ScatterInFlight | GatherInFlight) -> GatherInFlight:
@@ -563,20 +660,12 @@ class DenseBucketReducer:
         # ``out`` is accepted for interface parity; the allreduce has its own output.
         began = self.ops.clock()
         summed = self.ops.decompress(self.ops.wait(inflight.handle), inflight.compression_ctx)
-        self._seconds = self._seconds + (self.ops.clock(summed) - began)
+        record = self.last_record
+        record.seconds_exchange = record.seconds_exchange + (self.ops.clock(summed) - began)
         return self.ops.scale(summed, postscale) if postscale != 1.0 else summed
 
-    def step_counts(self) -> list[Any]:
-        """The one measured figure of a dense step: seconds in the exchange."""
-        return [self._seconds]
-
-    def step_record(self) -> tuple[list[Any], dict[str, Any]]:
-        return self.step_counts(), {}
-
-    def stats_from_counts(
-        self, counts: list[float], accounting: dict[str, Any] | None = None
-    ) -> StepStats:
-        (seconds,) = counts
+    def stats_of(self, record: StepRecord) -> StepStats:
+        """:class:`StepStats` of a step from its record with host numbers."""
         sent, received = allreduce_ring_bytes(self.numel, self.world_size, self._wire_itemsize)
         dense_sent, dense_received = allreduce_ring_bytes(
             self.numel, self.world_size, self._grad_itemsize
@@ -588,9 +677,9 @@ class DenseBucketReducer:
             numel=self.numel,
             selected=self.numel,
             density=1.0,
-            seconds_exchange=float(seconds),
+            seconds_exchange=float(record.seconds_exchange),
             dense_buckets=1,
         )
 
     def last_stats(self) -> StepStats:
-        return self.stats_from_counts([self.ops.to_host_number(c) for c in self.step_counts()])
+        return self.stats_of(self.last_record.on_host(self.ops))

@@ -84,6 +84,29 @@ class TFBackend(ProcessSetQueries):
         positions = tf.range(offset, offset + tf.size(flat, out_type=tf.int64), dtype=tf.int64)
         return tf.tensor_scatter_nd_add(buffer, positions[:, None], flat)
 
+    def add_scaled(self, tensor: tf.Tensor, other: tf.Tensor, factor: float) -> tf.Tensor:
+        return tensor + factor * other
+
+    def momentum_update_(
+        self, buffer: tf.Tensor, value: tf.Tensor, momentum: float, weight: float
+    ) -> tf.Tensor:
+        return momentum * buffer + (value if weight == 1.0 else weight * value)
+
+    def moving_average_(self, buffer: tf.Tensor, value: tf.Tensor, beta: float) -> tf.Tensor:
+        return beta * buffer + (1.0 - beta) * value
+
+    def moving_average_of_square_(
+        self, buffer: tf.Tensor, value: tf.Tensor, beta: float
+    ) -> tf.Tensor:
+        return beta * buffer + (1.0 - beta) * tf.square(value)
+
+    def adam_ratio(
+        self, first: tf.Tensor, second: tf.Tensor, first_scale: Any, second_scale: Any, eps: float
+    ) -> tf.Tensor:
+        scale1 = tf.cast(first_scale, first.dtype)
+        scale2 = tf.cast(second_scale, second.dtype)
+        return (first / scale1) / (tf.sqrt(second / scale2) + eps)
+
     def copy(self, tensor: tf.Tensor) -> tf.Tensor:
         return tf.identity(tensor)
 

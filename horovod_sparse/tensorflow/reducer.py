@@ -7,7 +7,7 @@ The tape, the Keras optimizer and the functional API all reduce through
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import horovod.tensorflow as hvd
@@ -16,13 +16,15 @@ import tensorflow as tf
 
 from horovod_sparse.common.buckets import Bucket, plan_model
 from horovod_sparse.common.config import SparseConfig, optimizer_scales
-from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer
+from horovod_sparse.common.correction import adam_direction, sgd_direction
+from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer, StepRecord
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.tensorflow.backend import TFBackend
 
 __all__ = [
     "BACKEND",
     "TF_OPTIONS",
+    "AdamSettings",
     "BucketState",
     "GradientReducer",
     "describe_variables",
@@ -31,7 +33,6 @@ __all__ = [
 ]
 
 BACKEND = TFBackend()
-_COUNT_SLOTS = 10  # >= BucketReducer.NUM_COUNTS
 
 
 # What the TF adapters act on; the other options are refused by name (see the README).
@@ -72,20 +73,38 @@ class BucketState:
     velocity: Any = None
     momentum: float = 0.0
     nesterov: bool = False
-    # The sparse step's row widths, for stats(): host ints fixed when it is traced.
-    row_widths: dict[str, Any] | None = None
+    # Adam's correction: this rank's (exp_avg, exp_avg_sq) over the bucket, or None.
+    moments: tuple[Any, Any] | None = None
+    # The sparse step's record as traced: its host fields (row widths) complete the
+    # figures stored in ``counts``.
+    traced: StepRecord = field(default_factory=StepRecord)
 
     def stats(self) -> StepStats:
-        values = self.counts.numpy().tolist()[: self.reducer.NUM_COUNTS]
-        return self.reducer.stats_from_counts(values, self.row_widths)
+        return self.reducer.stats_of(self.traced.with_numbers(self.counts.numpy().tolist()))
 
 
 def make_counts_variable() -> tf.Variable:
     with tf.init_scope():  # created eagerly even when first called inside tf.function
-        return tf.Variable(tf.zeros([_COUNT_SLOTS], tf.float64), trainable=False)
+        return tf.Variable(tf.zeros([len(StepRecord.NUMBERS)], tf.float64), trainable=False)
 
 
-def run_bucket(state: BucketState, flat: tf.Tensor, prescale: float, postscale: float) -> tf.Tensor:
+@dataclass(frozen=True)
+class AdamSettings:
+    """Adam's hyperparameters, for the Adam correction (see :class:`GradientReducer`)."""
+
+    beta_1: float
+    beta_2: float
+    epsilon: float
+
+
+def run_bucket(
+    state: BucketState,
+    flat: tf.Tensor,
+    prescale: float,
+    postscale: float,
+    adam: AdamSettings | None = None,
+    adam_step: Any = None,
+) -> tf.Tensor:
     """One exchange of ``flat``: read the residual, run the stages, write residual and counts.
 
     With a velocity (momentum correction) the exchange carries ``u = m * u + flat``
@@ -98,9 +117,18 @@ def run_bucket(state: BucketState, flat: tf.Tensor, prescale: float, postscale: 
     """
     reducer = state.reducer
     velocity = None
+    updates = []
     if state.velocity is not None:
-        velocity = state.momentum * tf.convert_to_tensor(state.velocity) + flat
-        flat = flat + state.momentum * velocity if state.nesterov else velocity
+        u = tf.convert_to_tensor(state.velocity)
+        flat, velocity = sgd_direction(BACKEND, flat, u, state.momentum, 0.0, state.nesterov)
+    if state.moments is not None:
+        assert adam is not None, "moments come with Adam's settings"
+        first, second = (tf.convert_to_tensor(m) for m in state.moments)
+        betas = (adam.beta_1, adam.beta_2)
+        flat, first, second = adam_direction(
+            BACKEND, flat, first, second, betas, adam.epsilon, adam_step
+        )
+        updates += [state.moments[0].assign(first), state.moments[1].assign(second)]
     if not isinstance(reducer, BucketReducer):
         result, counts = _exchange_dense_bucket(reducer, flat, prescale, postscale)
         residual = None
@@ -118,7 +146,7 @@ def run_bucket(state: BucketState, flat: tf.Tensor, prescale: float, postscale: 
         else:
             result, counts, residual, masked = exchange(False)
         velocity = masked if velocity is not None else None
-    updates = [state.counts.assign(counts)]
+    updates.append(state.counts.assign(counts))
     if residual is not None:
         updates.append(state.residual.assign(residual))
     if velocity is not None:
@@ -144,11 +172,13 @@ def _exchange(
     reducer.velocity = velocity
     inflight = reducer.reduce_and_gather(reducer.start(flat, prescale, dense=dense))
     result = reducer.finish(inflight, flat, postscale)
-    counts, accounting = reducer.step_record()
+    record = reducer.last_record
     if not dense:
-        state.row_widths = {k: accounting[k] for k in ("row_bytes", "gather_row_bytes")}
+        state.traced = StepRecord(
+            row_bytes=record.row_bytes, gather_row_bytes=record.gather_row_bytes
+        )
     masked = reducer.velocity if velocity is not None else reducer.residual
-    return result, _counts_vector(counts), reducer.residual, masked
+    return result, _counts_vector(record), reducer.residual, masked
 
 
 def _exchange_dense_bucket(
@@ -156,13 +186,11 @@ def _exchange_dense_bucket(
 ) -> tuple[tf.Tensor, tf.Tensor]:
     inflight = reducer.reduce_and_gather(reducer.start(flat, prescale))
     result = reducer.finish(inflight, flat, postscale)
-    return result, _counts_vector(reducer.step_counts())
+    return result, _counts_vector(reducer.last_record)
 
 
-def _counts_vector(counts: list[Any]) -> tf.Tensor:
-    values = [tf.cast(c, tf.float64) for c in counts]
-    values += [tf.constant(0.0, tf.float64)] * (_COUNT_SLOTS - len(values))
-    return tf.stack(values)
+def _counts_vector(record: StepRecord) -> tf.Tensor:
+    return tf.stack([tf.cast(value, tf.float64) for value in record.numbers()])
 
 
 class GradientReducer:
@@ -183,6 +211,13 @@ class GradientReducer:
             residual), the exchange carries ``u`` (``grad + momentum * u`` for Nesterov)
             and a sparse bucket zeroes the entries it sent in ``u``. The reduced result
             is then the step direction: the caller applies ``-lr`` times it.
+        adam: Adam's correction: every sparse bucket keeps this rank's first and second
+            moments (``make_variable`` kinds ``"exp_avg"`` and ``"exp_avg_sq"``) and
+            the exchange carries Adam's bias-corrected direction
+            (:func:`~horovod_sparse.common.correction.adam_direction`). The caller
+            applies ``-lr`` times the result to the variables of
+            :attr:`corrected_positions` and Adam's own update to the others (dense
+            buckets).
     """
 
     def __init__(
@@ -201,6 +236,7 @@ class GradientReducer:
         make_variable: Callable[[str, int, tf.DType, str], Any] | None = None,
         momentum: float = 0.0,
         nesterov: bool = False,
+        adam: AdamSettings | None = None,
     ) -> None:
         if not process_set.included():
             raise ValueError("this rank is not in the process_set")
@@ -211,6 +247,10 @@ class GradientReducer:
         )
         make_variable = make_variable or zeros_variable
         self.momentum = float(momentum)
+        self.adam = adam
+        # Adam's step count t (bias correction), saved with the caller's variables.
+        self._adam_step = make_variable("step", 1, tf.float32, "adam") if adam else None
+        self.corrected_positions: set[int] = set()  # variables stepped by -lr * result
         for v in variables:
             if not tf.as_dtype(v.dtype).is_floating:
                 raise TypeError(
@@ -255,15 +295,26 @@ class GradientReducer:
             state = BucketState(
                 reducer, residual, make_counts_variable(), velocity, self.momentum, nesterov
             )
+            if adam is not None and bucket.kind == "sparse":
+                state.moments = (
+                    make_variable("exp_avg", bucket.numel, dtype, bucket.name),
+                    make_variable("exp_avg_sq", bucket.numel, dtype, bucket.name),
+                )
+                self.corrected_positions.update(positions)
+            if self.momentum > 0:
+                self.corrected_positions.update(positions)
             self.buckets.append((bucket, positions, state))
 
     def reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
         """Reduced gradients, in the order of ``grads``. ``None`` gradients count as zeros."""
         dense = [self._dense(g, v) for g, v in zip(grads, variables)]
         out: list[Any] = list(dense)
+        adam_step = None
+        if self._adam_step is not None:
+            adam_step = self._adam_step.assign_add(tf.ones([1], tf.float32))[0]
         for bucket, positions, state in self.buckets:
             flat = tf.concat([tf.reshape(dense[p], [-1]) for p in positions], axis=0)
-            result = run_bucket(state, flat, self.prescale, self.postscale)
+            result = run_bucket(state, flat, self.prescale, self.postscale, self.adam, adam_step)
             pieces = tf.split(result, [e.numel for e in bucket.entries])
             for p, piece in zip(positions, pieces):
                 out[p] = tf.reshape(piece, tf.shape(dense[p]))
@@ -296,6 +347,10 @@ class GradientReducer:
     def velocities(self) -> dict[str, Any]:
         """Momentum-correction velocity variable per bucket (empty when it is off)."""
         return {b.name: s.velocity for b, _, s in self.buckets if s.velocity is not None}
+
+    def moments(self) -> dict[str, tuple[Any, Any]]:
+        """Adam-correction ``(exp_avg, exp_avg_sq)`` per sparse bucket (empty when off)."""
+        return {b.name: s.moments for b, _, s in self.buckets if s.moments is not None}
 
 
 def zeros_variable(kind: str, numel: int, dtype: tf.DType, name: str) -> tf.Variable:

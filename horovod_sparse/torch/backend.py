@@ -77,6 +77,36 @@ class TorchBackend(ProcessSetQueries):
         part.add_(tensor.reshape(-1).to(buffer.dtype), alpha=factor)
         return buffer
 
+    def add_scaled(self, tensor: torch.Tensor, other: torch.Tensor, factor: float) -> torch.Tensor:
+        return tensor.add(other, alpha=factor)
+
+    def momentum_update_(
+        self, buffer: torch.Tensor, value: torch.Tensor, momentum: float, weight: float
+    ) -> torch.Tensor:
+        return buffer.mul_(momentum).add_(value, alpha=weight)
+
+    def moving_average_(
+        self, buffer: torch.Tensor, value: torch.Tensor, beta: float
+    ) -> torch.Tensor:
+        return buffer.mul_(beta).add_(value, alpha=1.0 - beta)
+
+    def moving_average_of_square_(
+        self, buffer: torch.Tensor, value: torch.Tensor, beta: float
+    ) -> torch.Tensor:
+        return buffer.mul_(beta).addcmul_(value, value, value=1.0 - beta)
+
+    def adam_ratio(
+        self,
+        first: torch.Tensor,
+        second: torch.Tensor,
+        first_scale: float,
+        second_scale: float,
+        eps: float,
+    ) -> torch.Tensor:
+        # torch.optim.Adam's own order of operations (its non-capturable path).
+        denominator = (second / second_scale).sqrt_().add_(eps)
+        return (first / first_scale).div_(denominator)
+
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone()
 

@@ -44,6 +44,9 @@ from typing import Any
 
 import torch
 
+from horovod_sparse.common.correction import adam_direction, correction_family, sgd_direction
+from horovod_sparse.torch.backend import TorchBackend
+
 __all__ = [
     "AdamCorrection",
     "Correction",
@@ -53,6 +56,7 @@ __all__ = [
     "narrowed",
 ]
 
+_OPS = TorchBackend()
 _SGD_OFF = {"momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0}
 
 
@@ -191,15 +195,17 @@ class MomentumCorrection(Correction):
             return g
         velocity = self.views["velocity"][param]
         state = self.optimizer.state[param]
+        dampening = s.dampening
         if state.get("momentum_buffer") is None:
-            velocity.copy_(g)  # as torch.optim.SGD starts its momentum buffer
+            # As torch.optim.SGD starts its momentum buffer: u = g, undamped
+            # (m * 0 + 1 * g is g exactly).
+            velocity.zero_()
             state["momentum_buffer"] = velocity
+            dampening = 0.0
         else:
             self._bind(state, "momentum_buffer", velocity)
-            velocity.mul_(s.momentum).add_(g, alpha=1.0 - s.dampening)
-        if s.nesterov:
-            return g.add(velocity, alpha=s.momentum)
-        return velocity
+        direction, _ = sgd_direction(_OPS, g, velocity, s.momentum, dampening, s.nesterov)
+        return direction
 
     def _step_corrected(self, wrapped_step: Callable[[Any], Any]) -> None:
         with self._plain_sgd():
@@ -244,10 +250,8 @@ class AdamCorrection(Correction):
             self._bind(state, key, self.views[name][param])
         state["step"] += 1
         t = float(state["step"])
-        first.mul_(beta1).add_(g, alpha=1.0 - beta1)
-        second.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-        denominator = (second / (1.0 - beta2**t)).sqrt_().add_(group["eps"])
-        return (first / (1.0 - beta1**t)).div_(denominator)
+        direction, _, _ = adam_direction(_OPS, g, first, second, (beta1, beta2), group["eps"], t)
+        return direction
 
     def _step_corrected(self, wrapped_step: Callable[[Any], Any]) -> None:
         with torch.no_grad():
@@ -277,25 +281,25 @@ def make_correction(
     ``sparse``: whether some bucket can take a sparse step (a parameter large enough for
     a sparse bucket, and a density or warm-up that is not always dense).
     """
+    family: str | None = None
+    has_momentum = False
     if isinstance(optimizer, torch.optim.Adam):
         if any(group.get("amsgrad", False) for group in optimizer.param_groups):
             if requested:
                 raise ValueError("momentum_correction does not support Adam(amsgrad=True)")
             return None
-        kind: type[Correction] | None = AdamCorrection
-        has_momentum = True
+        family, has_momentum = "adam", True
     elif isinstance(optimizer, torch.optim.SGD):
-        kind = MomentumCorrection
+        family = "sgd"
         has_momentum = any(float(g.get("momentum", 0.0)) > 0 for g in optimizer.param_groups)
-    else:
-        kind, has_momentum = None, False
-    if requested is None:
-        return kind(optimizer) if kind is not None and has_momentum and sparse else None
-    if not requested:
+    chosen = correction_family(
+        requested,
+        family,
+        has_momentum,
+        sparse,
+        type(optimizer).__name__,
+        "torch.optim.SGD, Adam or AdamW",
+    )
+    if chosen is None:
         return None
-    if kind is None:
-        raise ValueError(
-            f"momentum_correction=True needs torch.optim.SGD, Adam or AdamW (or a subclass), "
-            f"got {type(optimizer).__name__}"
-        )
-    return kind(optimizer)
+    return AdamCorrection(optimizer) if chosen == "adam" else MomentumCorrection(optimizer)

@@ -32,6 +32,8 @@ from horovod_sparse.common.pipeline import (
     DenseBucketReducer,
     GatherInFlight,
     ScatterInFlight,
+    StepKind,
+    StepRecord,
 )
 from horovod_sparse.common.scheduler import AutoScheduler, TrialOutcome
 from horovod_sparse.common.stats import StepStats
@@ -59,6 +61,7 @@ class _BucketSlot:
     waiting: int = 0  # members whose gradient has not arrived this step
     stage: ScatterInFlight | GatherInFlight | None = None
     fusion_index: int | None = None  # position among the members of dense fusion
+    kind: StepKind | None = None  # this step's kind, planned at its first gradient
 
     @property
     def sparse_reducer(self) -> BucketReducer:
@@ -228,7 +231,7 @@ class SparseOptimizerMixin(_OptimizerBase):
             for position, slot in enumerate(self._buckets[: len(members)]):
                 slot.fusion_index = position
         self._fusion_runs: list[list[int]] = []  # planned at each step's first submit
-        self._fusion_planned = False
+        self._kinds_planned = False
         self._passes_left = {p: self.backward_passes_per_step for _, p in named}
         # Sparse gradients (torch.nn.Embedding(sparse=True)) of this step: allgathered
         # as Horovod does, or, with sparse_as_dense, reduced densely and made sparse again.
@@ -236,7 +239,7 @@ class SparseOptimizerMixin(_OptimizerBase):
         self._back_to_sparse: set[torch.Tensor] = set()
         self._should_synchronize = True
         self._synchronized = False
-        self._step_records: list[tuple[Any, list[Any], dict[str, Any]]] = []
+        self._step_records: list[tuple[BucketReducer | DenseBucketReducer, StepRecord]] = []
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
         ]
@@ -399,7 +402,7 @@ class SparseOptimizerMixin(_OptimizerBase):
     # ------------------------------------------------------------------ hooks
     def _begin_step(self) -> None:
         self._step_open = False
-        self._fusion_planned = False
+        self._kinds_planned = False
         for slot in self._buckets:
             slot.waiting = len(slot.params)
             slot.stage = None
@@ -483,15 +486,13 @@ class SparseOptimizerMixin(_OptimizerBase):
         if grad is not None and self._correction is not None and p in self._correction.covered:
             grad = self._correction.update(p, grad)
         slot, offset = self._slot_of[p]
-        if self._fusion is not None and not self._fusion_planned:
-            # After this step's schedule and density are known, before any launch.
-            self._fusion_planned = True
-            self._fusion_runs = self._fusion.plan(
-                [s.sparse_reducer.dense_step for s in self._buckets[: len(self._fusion.members)]]
-            )
-        # A dense bucket, or a sparse one whose step is dense and owes nothing, reduces
-        # the bucket buffer; a sparse step reduces the residual.
-        in_buffer = slot.reducer.dense_in_buffer
+        if not self._kinds_planned:
+            self._plan_step_kinds()
+        kind = slot.kind
+        assert kind is not None, "planned above"
+        # A dense step while the residual owes nothing reduces the bucket buffer; any
+        # other step reduces the residual.
+        in_buffer = slot.reducer.gradients_in_buffer(kind)
         if grad is None:
             # Allgathered on its own: the bucket carries nothing for it.
             if in_buffer:
@@ -502,23 +503,32 @@ class SparseOptimizerMixin(_OptimizerBase):
             # Error feedback straight from p.grad into the residual: no bucket copy.
             slot.sparse_reducer.accumulate(grad, offset, self._prescale)
         slot.waiting -= 1
-        if slot.waiting == 0:
-            fusion, index = self._fusion, slot.fusion_index
-            if fusion is not None and index is not None and fusion.fused(index):
-                # Its allreduce is its run's, launched with the run's last bucket.
-                slot.sparse_reducer.prepare_fused(slot.flat, self._prescale)
-                run = fusion.complete(index)
-                if run is not None:
-                    self._launch_dense_run(fusion, run)
-                return
-            # Last gradient of the bucket: start its reduce-scatter now, during backward.
-            if in_buffer:
-                slot.stage = slot.reducer.start_in_buffer(slot.flat, self._prescale)
-            else:
-                slot.stage = slot.reducer.start(None)
-            if self._trace is not None:
-                kind = "reduce-scatter" if isinstance(slot.stage, ScatterInFlight) else "allreduce"
-                self._trace.launched(slot.bucket.name, slot.bucket.name, kind, time.perf_counter())
+        if slot.waiting > 0:
+            return
+        # Last gradient of the bucket: start its exchange now, during backward.
+        slot.stage = slot.reducer.launch(kind, slot.flat, self._prescale)
+        if kind is StepKind.DENSE_FUSED:
+            # Its allreduce is its run's, launched with the run's last bucket.
+            assert self._fusion is not None and slot.fusion_index is not None
+            run = self._fusion.complete(slot.fusion_index)
+            if run is not None:
+                self._launch_dense_run(self._fusion, run)
+        elif self._trace is not None:
+            label = "reduce-scatter" if isinstance(slot.stage, ScatterInFlight) else "allreduce"
+            self._trace.launched(slot.bucket.name, slot.bucket.name, label, time.perf_counter())
+
+    def _plan_step_kinds(self) -> None:
+        """Each bucket's step kind, once per step: after the schedule and the density of
+        the step are known, before any launch (dense-step fusion plans its runs here)."""
+        self._kinds_planned = True
+        fusion = self._fusion
+        if fusion is not None:
+            members = self._buckets[: len(fusion.members)]
+            self._fusion_runs = fusion.plan([s.sparse_reducer.dense_step for s in members])
+        for slot in self._buckets:
+            index = slot.fusion_index
+            fused = fusion is not None and index is not None and fusion.fused(index)
+            slot.kind = slot.reducer.step_kind(fused)
 
     def _launch_dense_run(self, fusion: DenseFusion, run: list[int]) -> None:
         """One in-place allreduce over the arena slice of a run of dense buckets."""
@@ -630,20 +640,17 @@ class SparseOptimizerMixin(_OptimizerBase):
         return result
 
     def _record_step(self) -> None:
-        # Keep the raw figures; stats() reads them, so a step adds no device-to-host sync.
-        self._step_records = [(slot.reducer, *slot.reducer.step_record()) for slot in self._buckets]
+        # Keep the records; stats() reads them, so a step adds no device-to-host sync.
+        self._step_records = [(slot.reducer, slot.reducer.last_record) for slot in self._buckets]
         if self._scheduler is not None:
-            # Host seconds of this step's exchange per bucket, for the next decision.
-            # The step's records, already taken above: one per bucket, sparse ones in order.
-            sparse = [
-                acc for reducer, _, acc in self._step_records if isinstance(reducer, BucketReducer)
-            ]
-            for choice, accounting in zip(self._scheduler.choices, sparse):
-                seconds = float(accounting["select"]) + float(accounting["exchange"])
-                if accounting["dense"]:
+            # Host seconds of this step's exchange per sparse bucket, for the next decision.
+            sparse = [slot.sparse_reducer.last_record for slot in self._sparse_slots()]
+            for choice, record in zip(self._scheduler.choices, sparse):
+                seconds = float(record.seconds_select) + float(record.seconds_exchange)
+                if record.dense:
                     choice.observe(True, seconds)
                 else:
-                    choice.observe(False, seconds, float(accounting["local"]))
+                    choice.observe(False, seconds, float(record.seconds_local))
 
     def _reschedule(self, scheduler: AutoScheduler) -> None:
         """Every ``scheduler_steps`` steps: dense or sparse per bucket (same on every rank)."""
@@ -862,9 +869,8 @@ class SparseOptimizerMixin(_OptimizerBase):
     def stats(self) -> StepStats:
         """Statistics of the last synchronized step, summed over buckets and dense tensors."""
         total = StepStats()
-        for reducer, counts, accounting in self._step_records:
-            values = [BACKEND.to_host_number(c) for c in counts]
-            total += reducer.stats_from_counts(values, accounting)
+        for reducer, record in self._step_records:
+            total += reducer.stats_of(record.on_host(BACKEND))
         return total
 
     def residuals(self) -> dict[str, torch.Tensor]:

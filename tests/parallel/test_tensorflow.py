@@ -391,17 +391,68 @@ def test_keras_momentum_correction_resolution():
     sgd = hvds_keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
     plain = hvds_keras.DistributedOptimizer(keras.optimizers.SGD(0.1))
     adam = hvds_keras.DistributedOptimizer(keras.optimizers.Adam())
+    adamw = hvds_keras.DistributedOptimizer(keras.optimizers.AdamW())
+    amsgrad = hvds_keras.DistributedOptimizer(keras.optimizers.Adam(amsgrad=True))
     dense = hvds_keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), density=1.0)
+    dense_adam = hvds_keras.DistributedOptimizer(keras.optimizers.Adam(), density=1.0)
     off = hvds_keras.DistributedOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.9), momentum_correction=False
     )
-    assert sgd.momentum_correction
-    assert not any(o.momentum_correction for o in (plain, adam, dense, off))
+    assert sgd.momentum_correction and adam.momentum_correction and adamw.momentum_correction
+    assert not any(o.momentum_correction for o in (plain, amsgrad, dense, dense_adam, off))
     assert off.momentum == 0.9 and dense.momentum == 0.9
     # Asked for where it cannot apply: refused when built, on every rank, before any step.
-    insisted = hvds_keras.DistributedOptimizer(keras.optimizers.Adam(), momentum_correction=True)
+    insisted = hvds_keras.DistributedOptimizer(keras.optimizers.RMSprop(), momentum_correction=True)
     with pytest.raises(ValueError, match=r"momentum_correction=True needs keras\.optimizers\.SGD"):
         insisted.build(make_model().trainable_variables)
+    insisted = hvds_keras.DistributedOptimizer(
+        keras.optimizers.Adam(amsgrad=True), momentum_correction=True
+    )
+    with pytest.raises(ValueError, match="amsgrad"):
+        insisted.build(make_model().trainable_variables)
+
+
+@pytest.mark.parametrize("density", [1.0, 0.05])
+def test_keras_adam_correction_exchanges_each_ranks_adam_direction(density):
+    """Each rank's own Adam direction m_hat / (sqrt(v_hat) + eps) is exchanged (with error
+    feedback at density < 1) and the variable steps by -lr times the reduced direction.
+
+    With a small epsilon Adam's first direction is sign(g): every magnitude ties at 1 and
+    float rounding picks the top k. An epsilon of 1 keeps the magnitudes |g| / (|g| + 1)
+    apart (about 5e-5 between neighbours here), so the exact reference selection holds."""
+    numel, lr, (beta1, beta2, eps) = 20_000, 0.01, (0.9, 0.999, 1.0)
+    k = budget(numel, density)
+    weight = keras.Variable(np.zeros(numel, np.float32), name="w")
+    opt = hvds_keras.DistributedOptimizer(
+        keras.optimizers.Adam(lr, beta_1=beta1, beta_2=beta2, epsilon=eps),
+        density=density,
+        selection="exact",
+        momentum_correction=True,
+    )
+    first = np.zeros(numel, np.float64)
+    second = np.zeros(numel, np.float64)
+    residual = np.zeros(numel, np.float32)
+    expected = np.zeros(numel, np.float64)
+    for t in range(1, 6):
+        grad = local_grad(60 + t, numel)
+        g = grad.numpy().astype(np.float64)
+        first = beta1 * first + (1 - beta1) * g
+        second = beta2 * second + (1 - beta2) * g * g
+        direction = (first / (1 - beta1**t)) / (np.sqrt(second / (1 - beta2**t)) + eps)
+        acc = residual + direction.astype(np.float32)
+        everyone = gather_rows(tf.constant(acc), f"kadam.{density}.{t}")
+        opt.apply_gradients([(grad, weight)])
+        ref = reference_step(everyone, k, uniform_boundaries(numel, hvd.size()))
+        expected -= lr * ref.result_sum / hvd.size()
+        np.testing.assert_allclose(weight.numpy(), expected, rtol=1e-4, atol=1e-6)
+        (residual_variable,) = opt.residual_variables().values()
+        residual = residual_variable.numpy().copy()
+        np.testing.assert_allclose(residual, ref.residuals[hvd.rank()], rtol=1e-4, atol=1e-5)
+    (moments,) = opt.moment_variables().values()
+    np.testing.assert_allclose(moments[0].numpy(), first, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(moments[1].numpy(), second, rtol=1e-4, atol=1e-8)
+    assert all(any(m is v for v in opt.variables) for m in moments)
+    assert_identical([weight], f"kadam.{density}")
 
 
 def test_keras_residuals_in_checkpoint(tmp_path_factory):

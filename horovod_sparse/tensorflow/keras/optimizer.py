@@ -7,12 +7,20 @@ reduction runs in the optimizer's update step, so it happens once per *update*: 
 step. Keras's ``clipnorm`` / ``global_clipnorm`` / ``clipvalue`` apply to the reduced
 gradient, as clipping does with dense Horovod.
 
-Momentum correction (on by default for a sparse ``keras.optimizers.SGD`` with
-momentum): each rank runs the momentum on its own gradient before the exchange
-(``u = m * u + g``), the exchange carries ``u`` and the wrapped SGD steps with its
-momentum off, so lumps released by error feedback are not amplified by momentum a second
-time. Entries a rank sent leave its velocity (DGC's momentum factor masking). At
-density 1 and a constant learning rate this is Keras's momentum SGD up to rounding.
+Momentum correction (on by default for a sparse ``keras.optimizers.SGD`` with momentum
+and for ``Adam``/``AdamW``; the rules are :mod:`horovod_sparse.common.correction`, shared
+with torch):
+
+- SGD: each rank runs the momentum on its own gradient before the exchange
+  (``u = m * u + g``), the exchange carries ``u`` and the wrapped SGD steps with its
+  momentum off, so lumps released by error feedback are not amplified by momentum a
+  second time. Entries a rank sent leave its velocity (DGC's momentum factor masking).
+  At density 1 and a constant learning rate this is Keras's momentum SGD up to rounding.
+- Adam, AdamW: each rank keeps its own moments over the sparse buckets and the exchange
+  carries Adam's bias-corrected direction; those variables step by ``-lr`` times the
+  reduced direction (AdamW's decoupled decay is applied by Keras as usual). Variables of
+  dense buckets (under ``min_sparse_numel``) step by Adam's own update.
+
 Clipping then bounds the reduced step direction rather than the reduced gradient; pass
 ``momentum_correction=False`` for Horovod's clipping semantics.
 """
@@ -27,8 +35,9 @@ import tensorflow as tf
 
 from horovod_sparse.common.classes import combined_class
 from horovod_sparse.common.config import SparseConfig, make_config, optimizer_scales, take_options
+from horovod_sparse.common.correction import correction_family
 from horovod_sparse.common.stats import StepStats
-from horovod_sparse.tensorflow.reducer import TF_OPTIONS, GradientReducer, op_name
+from horovod_sparse.tensorflow.reducer import TF_OPTIONS, AdamSettings, GradientReducer, op_name
 from horovod_sparse.tensorflow.validation import check_variables, describe, validate_across_ranks
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
@@ -89,10 +98,11 @@ class SparseOptimizerMixin(_OptimizerBase):
         # The SGD momentum the exchange carries (0: no correction), taken out of the
         # wrapped SGD so it steps plainly by the reduced direction.
         self._corrected_momentum, self._corrected_nesterov = 0.0, False
+        self._adam_correction: AdamSettings | None = None
         if problem is None:
             try:
                 assert config is not None
-                self._take_momentum(config.momentum_correction, config)
+                self._take_correction(config.momentum_correction, config)
             except ValueError as error:
                 problem = error
         self._sparse_problem = problem
@@ -120,31 +130,42 @@ class SparseOptimizerMixin(_OptimizerBase):
         )
         self._gradient_reducer: GradientReducer | None = None
 
-    def _take_momentum(self, requested: bool | None, config: SparseConfig | None) -> None:
-        """Resolve ``momentum_correction``: ``None`` turns it on for a sparse
-        ``keras.optimizers.SGD`` with momentum, ``True`` insists (SGD only), ``False``
-        leaves the wrapped optimizer as it is."""
+    def _take_correction(self, requested: bool | None, config: SparseConfig) -> None:
+        """Resolve ``momentum_correction`` (:func:`~horovod_sparse.common.correction.
+        correction_family`): ``None`` turns it on for a sparse ``keras.optimizers.SGD``
+        with momentum and for ``Adam``/``AdamW``, ``True`` insists, ``False`` leaves the
+        wrapped optimizer as it is."""
         is_sgd = isinstance(self, keras.optimizers.SGD)
-        if requested and not is_sgd:
-            raise ValueError(
-                "momentum_correction=True needs keras.optimizers.SGD (or a subclass), "
-                f"got {type(self).__name__}"
+        is_adam = isinstance(self, keras.optimizers.Adam)  # AdamW is a subclass
+        if is_adam and self.amsgrad:
+            if requested:
+                raise ValueError("momentum_correction does not support Adam(amsgrad=True)")
+            return
+        family = "sgd" if is_sgd else "adam" if is_adam else None
+        chosen = correction_family(
+            requested,
+            family,
+            float(self.momentum) > 0.0 if is_sgd else is_adam,
+            config.density < 1.0 or config.warmup_steps > 0,
+            type(self).__name__,
+            "keras.optimizers.SGD, Adam or AdamW",
+        )
+        if chosen == "adam":
+            self._adam_correction = AdamSettings(
+                float(self.beta_1), float(self.beta_2), float(self.epsilon)
             )
-        sparse = config is not None and config.density < 1.0
-        if not is_sgd or float(self.momentum) == 0.0 or requested is False:
-            return
-        if requested is None and not sparse:
-            return
-        self._corrected_momentum, self._corrected_nesterov = float(self.momentum), self.nesterov
-        # Keras's SGD reads these in build() and update_step(): with momentum 0 it
-        # creates no slots and applies -lr * gradient.
-        self.momentum: float = 0.0
-        self.nesterov: bool = False
+        elif chosen == "sgd":
+            self._corrected_momentum = float(self.momentum)
+            self._corrected_nesterov = bool(self.nesterov)
+            # Keras's SGD reads these in build() and update_step(): with momentum 0 it
+            # creates no slots and applies -lr * gradient.
+            self.momentum: float = 0.0
+            self.nesterov: bool = False
 
     @property
     def momentum_correction(self) -> bool:
         """Whether the SGD momentum runs in front of the exchange (see the module)."""
-        return self._corrected_momentum > 0.0
+        return self._corrected_momentum > 0.0 or self._adam_correction is not None
 
     def build(self, variables: list[Any]) -> None:
         """Validate across ranks, then create the slots, the residuals and the reducer.
@@ -188,6 +209,7 @@ class SparseOptimizerMixin(_OptimizerBase):
             name=f"hvds.keras.{self.name}",
             make_variable=make_variable,
             momentum=self._corrected_momentum,
+            adam=self._adam_correction,
             nesterov=self._corrected_nesterov,
             **self._sparse_options,
         )
@@ -210,7 +232,24 @@ class SparseOptimizerMixin(_OptimizerBase):
         reduced = reducer.reduce(full, self._trainable_variables)
         grads = [reduced[self._get_variable_index(v)] for v in trainable_variables]
         grads = super()._clip_gradients(grads)
-        super()._backend_update_step(grads, trainable_variables, learning_rate)
+        if self._adam_correction is None:
+            super()._backend_update_step(grads, trainable_variables, learning_rate)
+            return
+        # Adam's correction: the reduced direction of a sparse bucket's variable is the
+        # step (-lr times it); dense buckets' variables take Adam's own update.
+        corrected = reducer.corrected_positions
+        native = [
+            (g, v)
+            for g, v in zip(grads, trainable_variables)
+            if self._get_variable_index(v) not in corrected
+        ]
+        for g, v in zip(grads, trainable_variables):
+            if self._get_variable_index(v) in corrected:
+                v.assign_sub(tf.cast(learning_rate, v.dtype) * g)
+        if native:
+            super()._backend_update_step(
+                [g for g, _ in native], [v for _, v in native], learning_rate
+            )
 
     def stats(self) -> StepStats:
         """Statistics of the last update step (call eagerly)."""
@@ -223,6 +262,13 @@ class SparseOptimizerMixin(_OptimizerBase):
         if self._gradient_reducer is None:
             raise RuntimeError("the optimizer has not been built yet")
         return self._gradient_reducer.residuals()
+
+    def moment_variables(self) -> dict[str, tuple[Any, Any]]:
+        """This rank's Adam-correction ``(exp_avg, exp_avg_sq)`` per sparse bucket (also
+        part of ``optimizer.variables``); empty unless Adam's correction is on."""
+        if self._gradient_reducer is None:
+            raise RuntimeError("the optimizer has not been built yet")
+        return self._gradient_reducer.moments()
 
     def velocity_variables(self) -> dict[str, Any]:
         """This rank's momentum-correction velocity per bucket (also part of
