@@ -43,14 +43,34 @@ class HostCell:
 
 
 class ProcessSetQueries:
-    """The process-set primitives of :class:`Backend`, the same in every framework:
-    Horovod's ``ProcessSet`` answers them itself. Backends inherit them."""
+    """The primitives of :class:`Backend` that are the same in every framework, because
+    Horovod's objects answer them: a ``ProcessSet``'s rank and size, and a
+    ``Compression`` class's codec. Backends inherit them and set :attr:`no_compression`
+    to their framework's ``hvd.Compression.none``."""
+
+    no_compression: Any = None
 
     def rank(self, process_set: Any) -> int:
         return int(process_set.rank())
 
     def size(self, process_set: Any) -> int:
         return int(process_set.size())
+
+    def compress(self, values: Tensor, compression: Any) -> tuple[Tensor, Any, Any]:
+        """``(wire values, context, rounding lost or None)``: a lossy wire dtype
+        (Horovod's fp16) loses a rounding that the caller keeps in the residual."""
+        if compression is None or compression is self.no_compression:
+            return values, None, None
+        wire, ctx = compression.compress(values)
+        if wire.dtype == values.dtype:
+            return wire, (compression, ctx), None
+        return wire, (compression, ctx), values - compression.decompress(wire, ctx)
+
+    def decompress(self, wire: Tensor, ctx: Any) -> Tensor:
+        if ctx is None:
+            return wire
+        compression, inner = ctx
+        return compression.decompress(wire, inner)
 
 
 class Backend(Protocol):

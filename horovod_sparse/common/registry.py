@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, NamedTuple, TypeVar
 
-from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.common.config import SparseConfig, make_config, reduction_scales
 from horovod_sparse.common.pipeline import BucketReducer
 
-__all__ = ["NamedReducers"]
+__all__ = ["NamedReducers", "PerTensorCall", "per_tensor_call"]
 
 State = TypeVar("State")
 
@@ -68,3 +68,46 @@ class NamedReducers(Generic[State]):
 
     def clear(self) -> None:
         self._states.clear()
+
+
+class PerTensorCall(NamedTuple):
+    """A validated functional call: its name, options and Average/Sum scales."""
+
+    name: str
+    config: SparseConfig
+    prescale: float
+    postscale: float
+
+
+def per_tensor_call(
+    name: str | None,
+    density: float,
+    options: dict[str, Any],
+    supported: frozenset[str],
+    where: str,
+    op: str,
+    process_set: Any,
+    prescale_factor: float,
+    postscale_factor: float,
+) -> PerTensorCall:
+    """The checks every framework's ``sparse_allreduce`` makes before any collective.
+
+    Raises:
+        ValueError: no name (residuals are kept per name), an option out of range or
+            not acted on by ``where``, a rank outside the process set, or an op other
+            than Average and Sum.
+        TypeError: an unknown option.
+    """
+    if name is None:
+        raise ValueError(
+            "sparse_allreduce needs a name: residuals are kept per name, so the same logical "
+            "tensor must be passed under the same name every step"
+        )
+    config = make_config(dict(options, density=density))
+    config.unsupported(where, supported)
+    if not process_set.included():
+        raise ValueError(f"sparse_allreduce({name!r}): this rank is not in the process set")
+    prescale, postscale = reduction_scales(
+        op, process_set.size(), prescale_factor, postscale_factor
+    )
+    return PerTensorCall(name, config, prescale, postscale)

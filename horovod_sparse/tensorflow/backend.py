@@ -39,6 +39,8 @@ class VariableCell:
 class TFBackend(ProcessSetQueries):
     """Stateless; one shared instance serves every bucket."""
 
+    no_compression = hvd.Compression.none
+
     # ---- state and control flow: variables and tf.cond, so a traced step keeps working
     def cell(self, initial: Any, like: tf.Tensor | None = None) -> VariableCell:
         if like is not None:
@@ -207,21 +209,6 @@ class TFBackend(ProcessSetQueries):
         order = tf.argsort(distinct)
         rank_of = tf.math.invert_permutation(order)
         return tf.gather(distinct, order), tf.gather(rank_of, position)
-
-    # ---- value compression (Horovod's Compression classes)
-    def compress(self, values: tf.Tensor, compression: Any) -> tuple[tf.Tensor, Any, Any]:
-        if compression is None or compression is hvd.Compression.none:
-            return values, None, None
-        wire, ctx = compression.compress(values)
-        if wire.dtype == values.dtype:
-            return wire, (compression, ctx), None
-        return wire, (compression, ctx), values - compression.decompress(wire, ctx)
-
-    def decompress(self, wire: tf.Tensor, ctx: Any) -> tf.Tensor:
-        if ctx is None:
-            return wire
-        compression, inner = ctx
-        return compression.decompress(wire, inner)
 
     # ---- global selection (radix select over fp32 magnitude bits)
     def magnitude_keys(self, values: tf.Tensor) -> tf.Tensor:

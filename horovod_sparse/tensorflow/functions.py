@@ -11,14 +11,9 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from horovod_sparse.common.config import (
-    PER_TENSOR_OPTIONS,
-    SparseConfig,
-    make_config,
-    reduction_scales,
-)
+from horovod_sparse.common.config import PER_TENSOR_OPTIONS, SparseConfig
 from horovod_sparse.common.pipeline import BucketReducer
-from horovod_sparse.common.registry import NamedReducers
+from horovod_sparse.common.registry import NamedReducers, per_tensor_call
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.tensorflow.reducer import (
     BACKEND,
@@ -81,11 +76,17 @@ def sparse_allreduce(
         >>> out = sparse_allreduce(grad, density=0.01, name="w")
         >>> stats("w").bytes_sent
     """
-    if name is None:
-        raise ValueError(
-            "sparse_allreduce needs a name: residuals are kept per name, so the same logical "
-            "tensor must be passed under the same name every step"
-        )
+    name, config, prescale, postscale = per_tensor_call(
+        name,
+        density,
+        options,
+        PER_TENSOR_OPTIONS & TF_OPTIONS,
+        "sparse_allreduce under TensorFlow",
+        op_name(op),
+        process_set,
+        prescale_factor,
+        postscale_factor,
+    )
     if isinstance(tensor, tf.IndexedSlices):
         raise TypeError(
             f"sparse_allreduce({name!r}) takes a dense tensor; use tf.convert_to_tensor"
@@ -97,13 +98,6 @@ def sparse_allreduce(
         )
     if tensor.shape.num_elements() is None:
         raise ValueError(f"sparse_allreduce({name!r}) needs a statically known tensor size")
-    config = make_config(dict(options, density=density))
-    config.unsupported("sparse_allreduce under TensorFlow", PER_TENSOR_OPTIONS & TF_OPTIONS)
-    if not process_set.included():
-        raise ValueError(f"sparse_allreduce({name!r}): this rank is not in the process set")
-    prescale, postscale = reduction_scales(
-        op_name(op), process_set.size(), prescale_factor, postscale_factor
-    )
     numel = int(tensor.shape.num_elements())
     state = _state_for(name, numel, tensor.dtype, config, process_set, compression)
     result = run_bucket(state, tf.reshape(tensor, [-1]), prescale, postscale)

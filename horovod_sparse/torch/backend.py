@@ -40,6 +40,8 @@ class _Pending:
 class TorchBackend(ProcessSetQueries):
     """Stateless; one shared instance serves every bucket."""
 
+    no_compression = hvd.Compression.none
+
     # ---- state and control flow: a step runs its Python every time, so host values do
     def cell(self, initial: Any, like: torch.Tensor | None = None) -> HostCell:
         if like is not None:
@@ -220,24 +222,6 @@ class TorchBackend(ProcessSetQueries):
 
     def unique_inverse(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.unique(indices, sorted=True, return_inverse=True)
-
-    # ---- value compression (Horovod's Compression classes)
-    def compress(
-        self, values: torch.Tensor, compression: Any
-    ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
-        if compression is None or compression is hvd.Compression.none:
-            return values, None, None
-        wire, ctx = compression.compress(values)
-        if wire.dtype == values.dtype:
-            return wire, (compression, ctx), None
-        lost = values - compression.decompress(wire, ctx)
-        return wire, (compression, ctx), lost
-
-    def decompress(self, wire: torch.Tensor, ctx: Any) -> torch.Tensor:
-        if ctx is None:
-            return wire
-        compression, inner = ctx
-        return compression.decompress(wire, inner)
 
     # ---- global selection (radix select over fp32 magnitude bits)
     def magnitude_keys(self, values: torch.Tensor) -> torch.Tensor:

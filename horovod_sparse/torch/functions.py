@@ -12,9 +12,9 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from horovod_sparse.common.config import PER_TENSOR_OPTIONS, make_config, reduction_scales
+from horovod_sparse.common.config import PER_TENSOR_OPTIONS
 from horovod_sparse.common.pipeline import BucketReducer, GatherInFlight, ScatterInFlight
-from horovod_sparse.common.registry import NamedReducers
+from horovod_sparse.common.registry import NamedReducers, per_tensor_call
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.torch.backend import TorchBackend
 
@@ -61,12 +61,7 @@ class SparseHandle:
         return flat.view(self.shape)
 
 
-def _check_tensor(tensor: torch.Tensor, name: str | None) -> str:
-    if name is None:
-        raise ValueError(
-            "sparse_allreduce needs a name: residuals are kept per name, so the same logical "
-            "tensor must be passed under the same name every step"
-        )
+def _check_tensor(tensor: torch.Tensor, name: str) -> None:
     if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
         raise TypeError(
             f"sparse_allreduce({name!r}) needs a floating-point tensor, got {tensor!r:.80}"
@@ -78,7 +73,6 @@ def _check_tensor(tensor: torch.Tensor, name: str | None) -> str:
         )
     if tensor.is_sparse:
         raise TypeError(f"sparse_allreduce({name!r}) takes a dense tensor; call .to_dense() first")
-    return name
 
 
 def sparse_allreduce_async(
@@ -105,14 +99,19 @@ def sparse_allreduce_async(
         >>> handle = sparse_allreduce_async(grad, density=0.01, name="w")
         >>> reduced = synchronize(handle)
     """
-    name = _check_tensor(tensor, name)
-    config = make_config(dict(options, density=density))
-    config.unsupported("sparse_allreduce", PER_TENSOR_OPTIONS)
-    if not process_set.included():
-        raise ValueError(f"sparse_allreduce({name!r}): this rank is not in the process set")
-    prescale, postscale = reduction_scales(
-        op_name(op), process_set.size(), prescale_factor, postscale_factor
+    call = per_tensor_call(
+        name,
+        density,
+        options,
+        PER_TENSOR_OPTIONS,
+        "sparse_allreduce",
+        op_name(op),
+        process_set,
+        prescale_factor,
+        postscale_factor,
     )
+    name, config, prescale, postscale = call
+    _check_tensor(tensor, name)
     flat = tensor.detach().reshape(-1)
 
     def create(previous: BucketReducer | None) -> BucketReducer:

@@ -26,6 +26,7 @@ import torch
 from horovod_sparse.common.buckets import Bucket, plan_model
 from horovod_sparse.common.classes import combined_class
 from horovod_sparse.common.config import make_config, optimizer_scales, take_options
+from horovod_sparse.common.engine import Engine
 from horovod_sparse.common.fusion import DenseFusion, FusedPart, FusionMember
 from horovod_sparse.common.pipeline import (
     BucketReducer,
@@ -33,7 +34,6 @@ from horovod_sparse.common.pipeline import (
     GatherInFlight,
     ScatterInFlight,
     StepKind,
-    StepRecord,
 )
 from horovod_sparse.common.scheduler import AutoScheduler, TrialOutcome
 from horovod_sparse.common.stats import StepStats
@@ -230,7 +230,6 @@ class SparseOptimizerMixin(_OptimizerBase):
             self._fusion = DenseFusion(members, config.dense_fusion_cap)
             for position, slot in enumerate(self._buckets[: len(members)]):
                 slot.fusion_index = position
-        self._fusion_runs: list[list[int]] = []  # planned at each step's first submit
         self._kinds_planned = False
         self._passes_left = {p: self.backward_passes_per_step for _, p in named}
         # Sparse gradients (torch.nn.Embedding(sparse=True)) of this step: allgathered
@@ -239,7 +238,6 @@ class SparseOptimizerMixin(_OptimizerBase):
         self._back_to_sparse: set[torch.Tensor] = set()
         self._should_synchronize = True
         self._synchronized = False
-        self._step_records: list[tuple[BucketReducer | DenseBucketReducer, StepRecord]] = []
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
         ]
@@ -262,6 +260,15 @@ class SparseOptimizerMixin(_OptimizerBase):
                 # Starts overlapped; trials then judge it against waiting in step().
                 overlap=True if judge_overlap else None,
             )
+        # The step's decisions over all buckets (kinds, fusion runs, records, scheduler,
+        # bucket state policy): common/engine.py.
+        self._engine = Engine(
+            BACKEND,
+            [s.bucket.name for s in self._buckets],
+            [s.reducer for s in self._buckets],
+            self._fusion,
+            self._scheduler,
+        )
         self._trace: Trace | None = (
             Trace(config.trace, process_set.rank()) if config.trace is not None else None
         )
@@ -284,8 +291,7 @@ class SparseOptimizerMixin(_OptimizerBase):
         self._deferred = None
         self._scheduler = None
         self._trace = None
-        self._fusion_runs = []
-        self._step_records = []
+        self._engine = Engine(BACKEND, [], [])
         self._sparse_gathers = {}
         self._should_synchronize = True
         self._synchronized = False
@@ -330,14 +336,12 @@ class SparseOptimizerMixin(_OptimizerBase):
         self._prescale, self._postscale = optimizer_scales(
             op_name(self.op), size, self.gradient_predivide_factor
         )
-        for slot in self._buckets:
-            old = slot.reducer
-            slot.reducer = self._make_reducer(slot.bucket, slot.flat)
-            if isinstance(old, BucketReducer):
-                slot.sparse_reducer.load_state_dict(old.state_dict())  # boundaries: re-cut
-                self._mask_sent_entries(slot)
-        self._apply_schedule()
-        self._step_records = []
+        self._engine.follow_world_size(
+            lambda index: self._make_reducer(self._buckets[index].bucket, self._buckets[index].flat)
+        )
+        for slot, reducer in zip(self._buckets, self._engine.reducers):
+            slot.reducer = reducer
+            self._mask_sent_entries(slot)
 
     def _name_parameters(
         self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None
@@ -436,10 +440,9 @@ class SparseOptimizerMixin(_OptimizerBase):
             if self._scheduler is not None:
                 # Whole steps, from one backward's start to the next, judge trials.
                 now = time.perf_counter()
-                if self._step_began is not None:
-                    self._scheduler.observe_step(now - self._step_began)
-                self._step_began = now
-                self._reschedule(self._scheduler)
+                began, self._step_began = self._step_began, now
+                seconds = None if began is None else now - began
+                self._engine.reschedule(self._sparse_slots()[0].flat, seconds)
             if self._trace is not None:
                 self._trace.backward_step(time.perf_counter())
         if self._trace is not None:
@@ -521,14 +524,8 @@ class SparseOptimizerMixin(_OptimizerBase):
         """Each bucket's step kind, once per step: after the schedule and the density of
         the step are known, before any launch (dense-step fusion plans its runs here)."""
         self._kinds_planned = True
-        fusion = self._fusion
-        if fusion is not None:
-            members = self._buckets[: len(fusion.members)]
-            self._fusion_runs = fusion.plan([s.sparse_reducer.dense_step for s in members])
-        for slot in self._buckets:
-            index = slot.fusion_index
-            fused = fusion is not None and index is not None and fusion.fused(index)
-            slot.kind = slot.reducer.step_kind(fused)
+        for slot, kind in zip(self._buckets, self._engine.plan_step()):
+            slot.kind = kind
 
     def _launch_dense_run(self, fusion: DenseFusion, run: list[int]) -> None:
         """One in-place allreduce over the arena slice of a run of dense buckets."""
@@ -554,7 +551,7 @@ class SparseOptimizerMixin(_OptimizerBase):
         """Bucket names reduced together by one allreduce in the current (or, between
         steps, the last) step: runs of adjacent dense buckets (see
         :mod:`horovod_sparse.common.fusion`)."""
-        return [[self._buckets[i].bucket.name for i in run] for run in self._fusion_runs]
+        return [[self._buckets[i].bucket.name for i in run] for run in self._engine.fusion_runs]
 
     # ------------------------------------------------------------------ public API
     def synchronize(self) -> None:
@@ -592,7 +589,7 @@ class SparseOptimizerMixin(_OptimizerBase):
                     # A sparse gradient's result; or a dense one for a sparse gradient
                     # (momentum correction), copied: the bucket buffer is reused.
                     p.grad = reduced if reduced is not value else value.clone()
-        self._record_step()
+        self._engine.record_step()
         self._end_step()
         self._synchronized = True
 
@@ -639,33 +636,6 @@ class SparseOptimizerMixin(_OptimizerBase):
             self._trace.waited(key, began, time.perf_counter(), None)
         return result
 
-    def _record_step(self) -> None:
-        # Keep the records; stats() reads them, so a step adds no device-to-host sync.
-        self._step_records = [(slot.reducer, slot.reducer.last_record) for slot in self._buckets]
-        if self._scheduler is not None:
-            # Host seconds of this step's exchange per sparse bucket, for the next decision.
-            sparse = [slot.sparse_reducer.last_record for slot in self._sparse_slots()]
-            for choice, record in zip(self._scheduler.choices, sparse):
-                seconds = float(record.seconds_select) + float(record.seconds_exchange)
-                if record.dense:
-                    choice.observe(True, seconds)
-                else:
-                    choice.observe(False, seconds, float(record.seconds_local))
-
-    def _reschedule(self, scheduler: AutoScheduler) -> None:
-        """Every ``scheduler_steps`` steps: dense or sparse per bucket (same on every rank)."""
-        slots = self._sparse_slots()
-        step = slots[0].sparse_reducer.step
-        if not scheduler.due(step):
-            return
-        scheduler.decide(slots[0].flat, step)
-        self._apply_schedule()
-
-    def _apply_schedule(self) -> None:
-        if self._scheduler is not None:
-            for choice, slot in zip(self._scheduler.choices, self._sparse_slots()):
-                slot.sparse_reducer.force_dense = choice.dense
-
     def schedule(self) -> dict[str, dict[str, Any]]:
         """Per sparse bucket: the exchange the scheduler chose and its predictions.
 
@@ -677,20 +647,7 @@ class SparseOptimizerMixin(_OptimizerBase):
         whether the bucket's all-gather is left to the next forward pass (see
         :attr:`overlapping`).
         """
-        out = {}
-        choices = self._scheduler.choices if self._scheduler is not None else []
-        for index, slot in enumerate(self._sparse_slots()):
-            choice = choices[index] if choices else None
-            out[slot.bucket.name] = {
-                "mode": "dense" if slot.sparse_reducer.force_dense else "sparse",
-                "overlap": self.overlapping,
-                "predicted_dense_s": choice.predicted_dense if choice else float("nan"),
-                "predicted_sparse_s": choice.predicted_sparse if choice else float("nan"),
-                "local_s_per_element": choice.local_per_element if choice else float("nan"),
-                "measured_dense_s": choice.measured_dense if choice else float("nan"),
-                "measured_sparse_s": choice.measured_sparse if choice else float("nan"),
-            }
-        return out
+        return self._engine.schedule(self.overlapping)
 
     def schedule_trials(self) -> list[TrialOutcome]:
         """Every trial of the automatic scheduler so far: the modes before and tried
@@ -698,7 +655,7 @@ class SparseOptimizerMixin(_OptimizerBase):
         ``overlap_allgather="auto"``), the median step seconds of each, and whether the
         tried setting was kept. Empty with ``scheduler="fixed"`` and no ``"auto"``
         overlap."""
-        return list(self._scheduler.trials) if self._scheduler is not None else []
+        return self._engine.trials()
 
     def _end_step(self) -> None:
         self._begin_step()
@@ -777,7 +734,7 @@ class SparseOptimizerMixin(_OptimizerBase):
             for p, grad in zip(slot.params, saved):
                 p.grad = grad
         if not deferred.pending:
-            self._record_step()
+            self._engine.record_step()
 
     def flush(self) -> None:
         """Apply every update still waiting for its all-gather (``overlap_allgather``).
@@ -868,10 +825,7 @@ class SparseOptimizerMixin(_OptimizerBase):
 
     def stats(self) -> StepStats:
         """Statistics of the last synchronized step, summed over buckets and dense tensors."""
-        total = StepStats()
-        for reducer, record in self._step_records:
-            total += reducer.stats_of(record.on_host(BACKEND))
-        return total
+        return self._engine.stats()
 
     def residuals(self) -> dict[str, torch.Tensor]:
         """This rank's residual per bucket name (flat buffers; read-only views)."""
@@ -915,8 +869,7 @@ class SparseOptimizerMixin(_OptimizerBase):
             "world_size": self.process_set.size(),
             "owner": self._owner_token,
             "buckets": {
-                slot.bucket.name: _detached(slot.sparse_reducer.state_dict())
-                for slot in self._sparse_slots()
+                name: _detached(state) for name, state in self._engine.state_dict().items()
             },
         }
         return state
@@ -931,27 +884,12 @@ class SparseOptimizerMixin(_OptimizerBase):
         After a restore on the root alone, the ranks would otherwise disagree on which
         steps are dense or when the scheduler decides, and wait in different collectives.
         """
-        mine = {
-            slot.bucket.name: (
-                slot.sparse_reducer.step,
-                list(slot.sparse_reducer.boundaries),
-                slot.sparse_reducer.force_dense,
-            )
-            for slot in self._sparse_slots()
-        }
-        everyone = allgather_object(mine, "hvds.opt.shared_state", self.process_set)
+        everyone = allgather_object(
+            self._engine.shared_state(), "hvds.opt.shared_state", self.process_set
+        )
         members = getattr(self.process_set, "ranks", None) or list(range(len(everyone)))
-        theirs = everyone[members.index(root)]
-        for slot in self._sparse_slots():
-            reducer = slot.sparse_reducer
-            reducer.step, boundaries, _ = theirs[slot.bucket.name]
-            reducer.boundaries = list(boundaries)
-        if self._scheduler is not None and self._sparse_slots():
-            for choice, slot in zip(self._scheduler.choices, self._sparse_slots()):
-                choice.switch(theirs[slot.bucket.name][2])
-            self._apply_schedule()
-            self._scheduler.restart(self._sparse_slots()[0].sparse_reducer.step)
-            self._step_began = None
+        self._engine.adopt_shared_state(everyone[members.index(root)])
+        self._step_began = None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`. Residuals and velocities follow this policy:
@@ -994,18 +932,10 @@ class SparseOptimizerMixin(_OptimizerBase):
                 "save time are not in it",
                 stacklevel=2,
             )
-        for slot in self._sparse_slots():
-            saved = sparse_state["buckets"].get(slot.bucket.name)
-            if saved is None or saved["residual"].numel() != slot.bucket.numel:
-                raise ValueError(f"checkpoint has no state matching bucket {slot.bucket.name}")
-            slot.sparse_reducer.load_state_dict(saved)
-            if not exact:
-                slot.sparse_reducer.residual.mul_(1.0 / size)
-        if self._scheduler is not None:
-            # Decide again at the restored step, the same on every rank that loads: the
-            # next decision must not wait for a step count from before the restore.
-            self._scheduler.restart(self._sparse_slots()[0].sparse_reducer.step)
-            self._step_began = None
+        # The residual policy above; the engine restores each bucket and lets the
+        # scheduler decide again at the restored step, the same on every rank.
+        self._engine.load_state_dict(sparse_state["buckets"], 1.0 if exact else 1.0 / size)
+        self._step_began = None
 
     def _sparse_slots(self) -> list[_BucketSlot]:
         return [s for s in self._buckets if isinstance(s.reducer, BucketReducer)]

@@ -1,0 +1,97 @@
+"""The engine's decisions over all buckets, single process, against the reducers' own."""
+
+import numpy as np
+import pytest
+
+from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.common.engine import Engine
+from horovod_sparse.common.fusion import DenseFusion, FusionMember
+from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer, StepKind
+from tests.unit.test_backends import OneRank, _torch_backend
+
+
+def make_engine(config: SparseConfig, fused: bool = False):
+    ops, to, back = _torch_backend()
+    like = to(np.zeros(0, np.float32))
+    reducers = [
+        BucketReducer(ops, "s0", 3000, like, config, OneRank()),
+        BucketReducer(ops, "s1", 2000, like, config, OneRank()),
+        DenseBucketReducer(ops, "d0", 100, like, OneRank()),
+    ]
+    fusion = None
+    if fused:
+        members = [FusionMember(0, 0, 3000, 4), FusionMember(0, 3000, 2000, 4)]
+        fusion = DenseFusion(members, 1 << 30)
+    return Engine(ops, ["s0", "s1", "d0"], reducers, fusion), ops, to, back
+
+
+def run_step(engine, ops, to, rng):
+    """One step as an adapter runs it: plan, fill, launch, finish, record."""
+    kinds = engine.plan_step()
+    results = []
+    for reducer, kind in zip(engine.reducers, kinds):
+        grad = to(rng.standard_normal(reducer.numel).astype(np.float32))
+        buffer = ops.copy(grad)
+        if not reducer.gradients_in_buffer(kind):
+            reducer.accumulate(grad, 0)
+        stage = reducer.launch(kind, buffer)
+        assert stage is not None or kind is StepKind.DENSE_FUSED
+        if stage is not None:
+            results.append(reducer.finish(reducer.reduce_and_gather(stage), buffer))
+    engine.record_step()
+    return kinds, results
+
+
+def test_kinds_follow_warmup_then_sparse_and_records_make_stats():
+    engine, ops, to, _ = make_engine(SparseConfig(density=0.01, warmup_steps=2))
+    rng = np.random.default_rng(0)
+    seen = []
+    for _ in range(4):
+        kinds, _ = run_step(engine, ops, to, rng)
+        seen.append(kinds)
+        stats = engine.stats()
+        assert stats.numel == 3000 + 2000 + 100
+        dense = sum(k.dense for k in kinds)
+        assert (stats.dense_buckets, stats.sparse_buckets) == (dense, 3 - dense)
+    # Warm-up with clear residuals: the gradients go to the buffer; then sparse.
+    assert seen[0] == [StepKind.DENSE_IN_BUFFER] * 3
+    assert seen[1] == [StepKind.DENSE_IN_BUFFER] * 3
+    assert seen[2] == seen[3] == [StepKind.SPARSE, StepKind.SPARSE, StepKind.DENSE_IN_BUFFER]
+    assert engine.step == 4
+    # The last step's selection: about 1% of each sparse bucket, all of the dense one.
+    assert engine.stats().selected == 30 + 20 + 100
+
+
+def test_forced_dense_with_mass_owed_is_dense_from_the_residual():
+    engine, ops, to, _ = make_engine(SparseConfig(density=0.01))
+    rng = np.random.default_rng(1)
+    run_step(engine, ops, to, rng)  # sparse: the residuals now owe mass
+    engine.sparse[1].force_dense = True
+    kinds = engine.plan_step()
+    assert kinds == [StepKind.SPARSE, StepKind.DENSE_FROM_RESIDUAL, StepKind.DENSE_IN_BUFFER]
+
+
+def test_fusion_plans_runs_of_adjacent_dense_buckets():
+    engine, *_ = make_engine(SparseConfig(density=0.01, warmup_steps=1), fused=True)
+    kinds = engine.plan_step()
+    assert kinds[:2] == [StepKind.DENSE_FUSED, StepKind.DENSE_FUSED]
+    assert engine.fusion_runs == [[0, 1]]
+
+
+def test_shared_state_round_trip_and_checkpoint_share():
+    engine, ops, to, back = make_engine(SparseConfig(density=0.01, partition="balanced"))
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        run_step(engine, ops, to, rng)
+    shared = engine.shared_state()
+    assert shared["s0"][0] == 3 and shared["s0"][1][0] == 0 and shared["s0"][1][-1] == 3000
+    other, _, _, _ = make_engine(SparseConfig(density=0.01, partition="balanced"))
+    other.adopt_shared_state(shared)
+    assert other.shared_state() == shared
+    saved = {name: dict(state) for name, state in engine.state_dict().items()}
+    residual = back(saved["s0"]["residual"]).copy()
+    assert np.abs(residual).sum() > 0
+    other.load_state_dict(saved, share=0.5)
+    np.testing.assert_array_equal(back(other.sparse[0].residual), residual * np.float32(0.5))
+    with pytest.raises(ValueError, match="no state matching bucket s1"):
+        other.load_state_dict({"s0": saved["s0"]})
