@@ -104,9 +104,6 @@ class Engine:
             total += reducer.stats_of(record.on_host(self.ops))
         return total
 
-    def forget_records(self) -> None:
-        self.records = []
-
     # ------------------------------------------------------------------ scheduler
     def reschedule(self, like: Tensor, step_seconds: float | None) -> None:
         """At a step's start: report the last whole step's seconds, and every
