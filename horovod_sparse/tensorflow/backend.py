@@ -193,6 +193,8 @@ class TFBackend(ProcessSetQueries):
     # The sparse-tensor kernels below beat tensor_scatter_nd_* on a bucket of 16M floats
     # with 1% of the entries addressed (CPU, one thread): 8.6 ms against 17.7 to zero
     # them, 5.5 against 28.8 to add to them, 2.9 against 26.4 to scatter into zeros.
+    # They, and NthElement in _top_k_mask, were chosen and measured on the CPU only;
+    # under a GPU, TF places an op that has no GPU kernel on the host, with copies.
 
     def zero_at(self, buffer: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
         # A mask and a select, not a multiplication: inf and NaN entries become 0 too.
