@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-__all__ = ["Backend", "Cell", "HostCell", "ProcessSetQueries", "Tensor"]
+__all__ = ["Backend", "Cell", "HorovodPrimitives", "HostCell", "Tensor"]
 
 Tensor = Any  # a framework tensor: torch.Tensor or tf.Tensor
 
@@ -42,7 +42,7 @@ class HostCell:
         self.value = value
 
 
-class ProcessSetQueries:
+class HorovodPrimitives:
     """The primitives of :class:`Backend` that are the same in every framework, because
     Horovod's objects answer them: a ``ProcessSet``'s rank and size, and a
     ``Compression`` class's codec. Backends inherit them and set :attr:`no_compression`

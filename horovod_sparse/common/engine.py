@@ -15,9 +15,10 @@ from typing import Any, Union
 
 from horovod_sparse.common.backend import Backend, Tensor
 from horovod_sparse.common.fusion import DenseFusion
-from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer, StepKind, StepRecord
+from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer
 from horovod_sparse.common.scheduler import AutoScheduler, TrialOutcome
 from horovod_sparse.common.stats import StepStats
+from horovod_sparse.common.step import StepKind, StepRecord
 
 __all__ = ["Engine", "Reducer", "SharedState"]
 

@@ -12,11 +12,8 @@ Invariant (checked by the tests): for every step, summed over ranks,
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from horovod_sparse.common.backend import Backend, Tensor
 from horovod_sparse.common.config import SparseConfig, budget
@@ -32,82 +29,14 @@ from horovod_sparse.common.partition import make_partitioner
 from horovod_sparse.common.reduction import owner_reduce
 from horovod_sparse.common.selection import make_selection
 from horovod_sparse.common.stats import StepStats, allgather_ring_bytes, allreduce_ring_bytes
+from horovod_sparse.common.step import StepKind, StepRecord
 
 __all__ = [
     "BucketReducer",
     "DenseBucketReducer",
     "GatherInFlight",
     "ScatterInFlight",
-    "StepKind",
-    "StepRecord",
 ]
-
-
-class StepKind(enum.Enum):
-    """Which exchange a bucket's step takes (docs/design.md §3), chosen in one place:
-    :meth:`BucketReducer.step_kind`."""
-
-    SPARSE = "sparse"  # selection, reduce-scatter, global selection, all-gather
-    DENSE_FROM_RESIDUAL = "dense from the residual"  # allreduce of residual + gradients
-    DENSE_IN_BUFFER = "dense in the buffer"  # allreduce of the gradients; residual clear
-    DENSE_FUSED = "dense, fused"  # one allreduce with adjacent dense buckets
-
-    @property
-    def dense(self) -> bool:
-        return self is not StepKind.SPARSE
-
-
-@dataclass
-class StepRecord:
-    """What one bucket's step did, as its stages measured it.
-
-    Figures are host numbers or device scalars (a traced TF step keeps them as graph
-    tensors); making a record reads nothing from the device. ``stats_of`` (of the reducer
-    that made it) turns a host copy (:meth:`on_host`) into :class:`StepStats`; an
-    automatic scheduler reads ``dense``, ``seconds_select + seconds_exchange`` and
-    ``seconds_local``. A reducer makes a new record every step, so a caller may keep one.
-    """
-
-    dense: Any = 0  # 1 for a dense step
-    rows_sent: Any = 0  # alltoall rows this rank sent to the other ranks
-    rows_received: Any = 0  # alltoall rows it received from them
-    gathered_rows: Any = 0  # rows in the result (n for a dense step)
-    own_rows: Any = 0  # of which this owner's
-    next_rows: Any = 0  # of which the next rank's (ring accounting)
-    seconds_select: Any = 0.0  # local and global selection
-    seconds_exchange: Any = 0.0  # issuing and waiting for collectives
-    extra_bytes: Any = 0  # one way: the partition histogram, or a dense step's allreduce
-    seconds_local: Any = 0.0  # local work only, no waits: the scheduler's cost model
-    send_splits: Any = None  # alltoall rows per destination rank
-    recv_splits: Any = None  # alltoall rows per source rank
-    row_bytes: int = 0  # alltoall row width, fixed by the dtypes
-    gather_row_bytes: int = 0  # all-gather row width
-
-    # The figures a traced step stores in a variable, in this order (see numbers()).
-    NUMBERS: ClassVar[tuple[str, ...]] = (
-        "dense",
-        "rows_sent",
-        "rows_received",
-        "gathered_rows",
-        "own_rows",
-        "next_rows",
-        "seconds_select",
-        "seconds_exchange",
-        "extra_bytes",
-    )
-
-    def numbers(self) -> list[Any]:
-        """The :attr:`NUMBERS` figures, in order."""
-        return [getattr(self, name) for name in self.NUMBERS]
-
-    def with_numbers(self, values: Sequence[float]) -> StepRecord:
-        """A copy whose :attr:`NUMBERS` figures are ``values`` (read back from storage)."""
-        figures: dict[str, Any] = dict(zip(self.NUMBERS, values))
-        return dataclasses.replace(self, **figures)
-
-    def on_host(self, ops: Backend) -> StepRecord:
-        """A copy with host numbers (reads any device scalar: call it for statistics)."""
-        return self.with_numbers([ops.to_host_number(v) for v in self.numbers()])
 
 
 @dataclass
@@ -600,9 +529,6 @@ class DenseBucketReducer:
     Sends: one ring allreduce of n values (2n(P-1)/P each way). Keeps: nothing.
     """
 
-    # Every step reduces the buffer of gradients (see BucketReducer.dense_in_buffer).
-    dense_in_buffer = True
-
     def __init__(
         self,
         ops: Backend,
@@ -637,12 +563,9 @@ class DenseBucketReducer:
         )
         return GatherInFlight(handle, 0, wire, ctx)
 
-    def start_in_buffer(self, buffer: Tensor, prescale: float = 1.0) -> GatherInFlight:
-        """:meth:`start` under the name :class:`BucketReducer` uses for a dense step."""
-        return self.start(buffer, prescale)
-
     def step_kind(self, fused: bool = False) -> StepKind:
-        return StepKind.DENSE_IN_BUFFER  # never fused: its buffer is not in an arena
+        # Every step reduces the buffer of gradients; never fused (not in an arena).
+        return StepKind.DENSE_IN_BUFFER
 
     def gradients_in_buffer(self, kind: StepKind) -> bool:
         return True

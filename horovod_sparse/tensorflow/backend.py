@@ -16,7 +16,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from horovod_sparse.common.backend import ProcessSetQueries
+from horovod_sparse.common.backend import HorovodPrimitives
 
 __all__ = ["TFBackend", "VariableCell"]
 
@@ -61,7 +61,7 @@ class VariableCell:
         self.variable.assign(tf.cast(value, self.variable.dtype))
 
 
-class TFBackend(ProcessSetQueries):
+class TFBackend(HorovodPrimitives):
     """Stateless; one shared instance serves every bucket."""
 
     no_compression = hvd.Compression.none

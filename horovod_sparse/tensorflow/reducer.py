@@ -17,8 +17,9 @@ import tensorflow as tf
 from horovod_sparse.common.buckets import Bucket, plan_model
 from horovod_sparse.common.config import SparseConfig, optimizer_scales
 from horovod_sparse.common.correction import adam_direction, sgd_direction
-from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer, StepRecord
+from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer
 from horovod_sparse.common.stats import StepStats
+from horovod_sparse.common.step import StepRecord
 from horovod_sparse.tensorflow.backend import TFBackend
 
 __all__ = [

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import horovod.torch as hvd
 import torch
 
-from horovod_sparse.common.backend import HostCell, ProcessSetQueries
+from horovod_sparse.common.backend import HorovodPrimitives, HostCell
 
 __all__ = ["TorchBackend"]
 
@@ -37,7 +37,7 @@ class _Pending:
     kind: str  # "alltoall" | "plain"
 
 
-class TorchBackend(ProcessSetQueries):
+class TorchBackend(HorovodPrimitives):
     """Stateless; one shared instance serves every bucket."""
 
     no_compression = hvd.Compression.none

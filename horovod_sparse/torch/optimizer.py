@@ -33,10 +33,10 @@ from horovod_sparse.common.pipeline import (
     DenseBucketReducer,
     GatherInFlight,
     ScatterInFlight,
-    StepKind,
 )
 from horovod_sparse.common.scheduler import AutoScheduler, TrialOutcome
 from horovod_sparse.common.stats import StepStats
+from horovod_sparse.common.step import StepKind
 from horovod_sparse.common.trace import Trace
 from horovod_sparse.common.validation import raise_on_any_rank, verdict_of
 from horovod_sparse.torch.functions import BACKEND, op_name

@@ -6,7 +6,8 @@ import pytest
 from horovod_sparse.common.config import SparseConfig
 from horovod_sparse.common.engine import Engine
 from horovod_sparse.common.fusion import DenseFusion, FusionMember
-from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer, StepKind
+from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer
+from horovod_sparse.common.step import StepKind
 from tests.unit.test_backends import OneRank, _torch_backend
 
 
