@@ -13,7 +13,8 @@ import horovod.torch as hvd
 import torch
 
 from horovod_sparse.common.config import PER_TENSOR_OPTIONS
-from horovod_sparse.common.pipeline import BucketReducer, GatherInFlight, ScatterInFlight
+from horovod_sparse.common.handle import BucketHandle
+from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.registry import NamedReducers, per_tensor_call
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.torch.backend import TorchBackend
@@ -39,26 +40,15 @@ def op_name(op: Any) -> str:
 
 
 @dataclass
-class SparseHandle:
-    """The one async handle type: a bucket's exchange in flight, resolved by :func:`synchronize`."""
+class SparseHandle(BucketHandle):
+    """The one async handle type (:class:`~horovod_sparse.common.handle.BucketHandle`),
+    whose result takes the input's shape; resolved by :func:`synchronize`."""
 
-    reducer: BucketReducer
-    stage: ScatterInFlight | GatherInFlight
-    like: torch.Tensor
-    shape: torch.Size
-    postscale: float
-
-    def advance(self) -> None:
-        """Finish the reduce-scatter and launch the all-gather (no-op if already done)."""
-        if isinstance(self.stage, ScatterInFlight):
-            self.stage = self.reducer.reduce_and_gather(self.stage)
+    shape: tuple[int, ...] = ()
 
     def wait(self) -> torch.Tensor:
         """Block until the result is ready and return it, shaped like the input."""
-        self.advance()
-        assert isinstance(self.stage, GatherInFlight)
-        flat = self.reducer.finish(self.stage, self.like, self.postscale)
-        return flat.view(self.shape)
+        return super().wait().view(self.shape)
 
 
 def _check_tensor(tensor: torch.Tensor, name: str) -> None:
@@ -126,7 +116,7 @@ def sparse_allreduce_async(
     reducer.compression = compression
     stage = reducer.start(flat, prescale)
     _LAST_NAME[:] = [name]
-    return SparseHandle(reducer, stage, flat, tensor.shape, postscale)
+    return SparseHandle(reducer, stage, flat, postscale, shape=tensor.shape)
 
 
 def synchronize(handle: SparseHandle) -> torch.Tensor:

@@ -92,9 +92,23 @@ class Correction:
             name: {} for name in self.buffer_names
         }
         self.covered: set[torch.Tensor] = set()  # parameters of sparse buckets
+        # Per sparse bucket (by name): its flat buffers (by buffer name).
+        self.bucket_buffers: dict[str, dict[str, torch.Tensor]] = {}
         # The group dicts themselves: a scheduler (or a broadcast) changes their values
         # in place, and every update reads them afresh.
         self._groups = {p: group for group in optimizer.param_groups for p in group["params"]}
+
+    def cover(
+        self, bucket: str, params: list[torch.Tensor], offsets: list[int], like: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Correct the parameters of sparse bucket ``bucket`` (laid out like ``like`` at
+        ``offsets``): allocate its flat buffers. Returns the one whose sent entries the
+        reducer zeroes (momentum factor masking), or None."""
+        buffers = {name: torch.zeros_like(like) for name in self.buffer_names}
+        self.bucket_buffers[bucket] = buffers
+        for param, offset in zip(params, offsets):
+            self.attach(param, buffers, offset)
+        return buffers[self.masked_buffer] if self.masked_buffer is not None else None
 
     def attach(self, param: torch.Tensor, buffers: dict[str, torch.Tensor], offset: int) -> None:
         """Correct ``param``, with its slice of each of its bucket's flat buffers."""

@@ -31,6 +31,10 @@ from typing import Any
 
 import torch
 
+from horovod_sparse.common.engine import Engine
+from horovod_sparse.common.handle import BucketHandle
+from horovod_sparse.torch.gradients import GradientRouting
+
 __all__ = ["DeferredUpdates"]
 
 
@@ -40,36 +44,40 @@ class DeferredUpdates:
     Args:
         optimizer: the sparse optimizer (its ``param_groups`` are narrowed per bucket).
         model: the module whose forward uses the optimizer's parameters.
-        slot_of: parameter -> its bucket slot.
-        apply_bucket: ``apply_bucket(slot, stage)`` waits for ``stage`` and steps ``slot``.
+        engine: the step's engine, whose handles are deferred here.
+        routing: turns a bucket's result into its parameters' gradients.
+        step: the wrapped optimizer's own step (momentum correction included).
     """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         model: torch.nn.Module,
-        slot_of: dict[torch.Tensor, Any],
-        apply_bucket: Callable[[Any, Any], None],
+        engine: Engine,
+        routing: GradientRouting,
+        step: Callable[[], Any],
     ) -> None:
         self.optimizer = optimizer
-        self._apply_bucket = apply_bucket
-        # slot id -> (slot, in-flight all-gather), in launch order.
-        self.pending: dict[int, tuple[Any, Any]] = {}
+        self.engine = engine
+        self.routing = routing
+        self.step = step
+        # bucket index -> its all-gather in flight, in launch order.
+        self.pending: dict[int, BucketHandle] = {}
         self.hyperparameters: list[dict[str, Any]] = []
         self._handles = []
         covered: set[int] = set()
         for module in model.modules():
-            slots = {
-                id(slot_of[p][0]): slot_of[p][0]
-                for p in module.parameters(recurse=False)
-                if p in slot_of
-            }
-            if slots:
-                covered.update(slots)
-                self._handles.append(
-                    module.register_forward_pre_hook(self._pre_hook(list(slots.values())))
-                )
-        missing = {id(slot) for slot, _ in slot_of.values()} - covered
+            buckets = sorted(
+                {
+                    routing.place[p][0]
+                    for p in module.parameters(recurse=False)
+                    if p in routing.place
+                }
+            )
+            if buckets:
+                covered.update(buckets)
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(buckets)))
+        missing = set(range(len(routing.buckets))) - covered
         if missing:
             raise ValueError(
                 f"{len(missing)} bucket(s) hold parameters that are not in the model passed "
@@ -77,22 +85,22 @@ class DeferredUpdates:
             )
         self._handles.append(model.register_state_dict_pre_hook(lambda *_: self.apply_all()))
 
-    def _pre_hook(self, slots: list[Any]) -> Callable[..., None]:
+    def _pre_hook(self, buckets: list[int]) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            for slot in slots:
-                if id(slot) in self.pending:
-                    self._apply(slot)
+            for index in buckets:
+                if index in self.pending:
+                    self._apply(index)
 
         return hook
 
     # ------------------------------------------------------------------ queue
-    def defer(self, slots_and_stages: list[tuple[Any, Any]]) -> None:
+    def defer(self, launched: list[tuple[int, BucketHandle]]) -> None:
         """Queue one step's all-gathers; remember the groups' hyperparameters now."""
         self.hyperparameters = [
             {key: value for key, value in group.items() if key != "params"}
             for group in self.optimizer.param_groups
         ]
-        self.pending = {id(slot): (slot, stage) for slot, stage in slots_and_stages}
+        self.pending = dict(launched)
 
     def apply_all(self, late: bool = False) -> None:
         """Apply every pending update, in launch order.
@@ -109,19 +117,34 @@ class DeferredUpdates:
                 "module that owns them, so forward saw the previous values",
                 stacklevel=3,
             )
-        for slot, _ in list(self.pending.values()):
-            self._apply(slot)
+        for index in list(self.pending):
+            self._apply(index)
 
     def discard(self) -> None:
         """Wait for pending all-gathers and drop their updates (a checkpoint is
         being loaded, which replaces the state they would have changed)."""
-        for slot, stage in list(self.pending.values()):
-            slot.reducer.finish(stage, slot.flat, 1.0, out=slot.flat)
+        for handle in self.pending.values():
+            handle.wait()
         self.pending = {}
 
-    def _apply(self, slot: Any) -> None:
-        _, stage = self.pending.pop(id(slot))
-        self._apply_bucket(slot, stage)
+    def _apply(self, index: int) -> None:
+        """Wait for bucket ``index``'s all-gather and step the wrapped optimizer over its
+        parameters. ``p.grad`` holds the averaged gradient (a view of the bucket) during
+        the step only; afterwards it is what it was (None after ``zero_grad()``), so the
+        next backward accumulates into a clean gradient."""
+        result = self.engine.finish(index, self.pending.pop(index))
+        params = self.routing.params[index]
+        saved = [p.grad for p in params]
+        for p, reduced in self.routing.reduced(index, result):
+            p.grad = reduced
+        try:
+            with self.only(params):
+                self.step()
+        finally:
+            for p, grad in zip(params, saved):
+                p.grad = grad
+        if not self.pending:
+            self.engine.record_step()
 
     # ------------------------------------------------------------------ stepping
     @contextmanager

@@ -79,7 +79,7 @@ def main() -> None:
         "resets": resets,
         "sizes": state.sizes,
         "digest": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
-        "reducer_world_sizes": [s.reducer.world_size for s in opt._sparse_slots()],
+        "reducer_world_sizes": [v.world_size for v in opt.buckets() if v.sparse],
         "residual_abs_sum": sum(float(r.abs().sum()) for r in opt.residuals().values()),
     }
     (out / f"report.{hvd.rank()}.json").write_text(json.dumps(report))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import horovod_sparse.torch as hvds
+from tests.buckets import sparse_buckets
 
 hvd.init()
 
@@ -119,8 +120,8 @@ def test_a_fused_step_is_horovods_dense_allreduce_and_conserves_mass_after():
         else:
             # First sparse step: residual_after + P * result == gradient, summed over ranks.
             assert opt.fused_dense_runs == []
-            for slot in opt._sparse_slots():
-                sent = torch.cat([local[opt._parameter_names[p]].reshape(-1) for p in slot.params])
+            for slot in sparse_buckets(opt, model):
+                sent = torch.cat([local[n].reshape(-1) for n in opt.bucket_parameters()[slot.name]])
                 result = torch.cat([p.grad.reshape(-1) for p in slot.params])
                 owed = hvd.allreduce(slot.reducer.residual, op=hvd.Sum, name=f"owed.{step}")
                 total = hvd.allreduce(sent, op=hvd.Sum, name=f"sent.{step}")
@@ -137,12 +138,12 @@ def test_a_residual_owed_on_one_rank_only_joins_the_fused_allreduce():
     only): that rank moves its residual into the fused allreduce, no mass left out."""
     model, opt = build("plain")
     train(model, opt, 1)  # a fused warm-up step: residuals clear
-    slots = opt._sparse_slots()
+    slots = sparse_buckets(opt, model)
     owed = {}
     for slot in slots:
-        owed[slot.bucket.name] = torch.full_like(slot.reducer.residual, 0.01 * (hvd.rank() == 0))
+        owed[slot.name] = torch.full_like(slot.reducer.residual, 0.01 * (hvd.rank() == 0))
         if hvd.rank() == 0:
-            slot.reducer.residual = slot.reducer.residual + owed[slot.bucket.name]
+            slot.reducer.residual = slot.reducer.residual + owed[slot.name]
     assert [slot.reducer.residual_clear for slot in slots] == [hvd.rank() != 0] * 3
     opt.zero_grad()
     loss_of(model, 1).backward()
@@ -150,8 +151,8 @@ def test_a_residual_owed_on_one_rank_only_joins_the_fused_allreduce():
     opt.synchronize()
     assert opt.fused_dense_runs == [SPARSE]
     for slot in slots:
-        sent = torch.cat([local[p].reshape(-1) for p in slot.params]) + owed[slot.bucket.name]
-        total = hvd.allreduce(sent, op=hvd.Sum, name=f"owed.sent.{slot.bucket.name}")
+        sent = torch.cat([local[p].reshape(-1) for p in slot.params]) + owed[slot.name]
+        total = hvd.allreduce(sent, op=hvd.Sum, name=f"owed.sent.{slot.name}")
         result = torch.cat([p.grad.reshape(-1) for p in slot.params])
         torch.testing.assert_close(hvd.size() * result, total, rtol=1e-5, atol=1e-6)
         assert slot.reducer.residual_clear and slot.reducer.residual.abs().sum() == 0

@@ -87,7 +87,7 @@ def spread(model) -> float:
 def test_overlap_trajectory_equals_no_overlap(name):
     plain_model, plain_opt = build(OPTIMIZERS[name], overlap=False)
     model, opt = build(OPTIMIZERS[name], overlap=True)
-    assert len(opt._buckets) >= 4  # three sparse weight buckets and a dense one
+    assert len(opt.buckets()) >= 4  # three sparse weight buckets and a dense one
     plain_sched = torch.optim.lr_scheduler.StepLR(plain_opt, step_size=5, gamma=0.7)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
     plain_losses = train(plain_model, plain_opt, 30, plain_sched)
@@ -97,9 +97,9 @@ def test_overlap_trajectory_equals_no_overlap(name):
     first, last = hvd.allreduce(torch.tensor([plain_losses[:5], plain_losses[-5:]]), name="loss")
     assert last.sum() < 0.98 * first.sum()
     # The last step's updates are still pending: the model's state_dict applies them.
-    assert opt._deferred.pending
+    assert opt.pending_updates
     state = model.state_dict()
-    assert not opt._deferred.pending
+    assert not opt.pending_updates
     for key, value in plain_model.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7)
     # Optimizer state (momentum buffers or Adam moments) matches too.
@@ -177,10 +177,10 @@ def test_load_state_dict_drops_pending_updates():
     train(model, opt, 3)
     saved_model, saved_opt = model.state_dict(), opt.state_dict()
     train(model, opt, 2, evaluate_every=1000)  # leaves step 5's update pending
-    assert opt._deferred.pending
+    assert opt.pending_updates
     model.load_state_dict(saved_model)
     opt.load_state_dict(saved_opt)
-    assert not opt._deferred.pending
+    assert not opt.pending_updates
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, saved_model[key], rtol=0, atol=0)
 
@@ -221,7 +221,7 @@ def test_auto_overlap_switches_without_changing_the_trajectory(name):
     assert all(g == outcomes for g in gathered)
     assert all(entry["overlap"] == opt.overlapping for entry in opt.schedule().values())
     state = model.state_dict()  # applies what is pending, if the last step overlapped
-    assert not opt._deferred.pending
+    assert not opt.pending_updates
     for key, value in plain_model.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7)
     assert spread(model) == 0.0

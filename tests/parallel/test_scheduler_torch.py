@@ -9,6 +9,8 @@ import torch
 import horovod_sparse.common.scheduler as scheduler_module
 import horovod_sparse.torch as hvds
 from horovod_sparse.common.scheduler import LinkModel
+from horovod_sparse.common.step import StepKind
+from tests.buckets import sparse_buckets
 
 hvd.init()
 
@@ -65,7 +67,7 @@ def test_auto_tries_what_the_link_allows_and_every_rank_agrees(monkeypatch, link
     modes = train(model, opt, 17)
     # Steps before the first decision (step 10) are sparse for both weight buckets.
     assert modes[:10] == [(1, 2)] * 10  # the biases' dense bucket, two sparse buckets
-    trials = opt._scheduler.trials
+    trials = opt.engine.scheduler.trials
     if dense_tried:
         # Steps 10-14 ran dense; at step 15 whole-step times kept it or went back.
         assert modes[10:15] == [(3, 0)] * 5
@@ -98,12 +100,12 @@ def test_auto_with_the_measured_link_keeps_ranks_identical():
     model, opt = model_and_optimizer()
     modes = train(model, opt, 20)
     # Steps 10, 14, 18 without trials; 10, 15, 19 with one (5 steps) at the first decision.
-    assert opt._scheduler.decisions >= 2
-    assert agree([opt._scheduler.decisions, opt._scheduler.next_decision])
+    assert opt.engine.scheduler.decisions >= 2
+    assert agree([opt.engine.scheduler.decisions, opt.engine.scheduler.next_decision])
     assert agree(modes) and agree([v["mode"] for v in opt.schedule().values()])
     assert all(dense + sparse == 3 for dense, sparse in modes)
     assert spread(model) == 0.0
-    link = opt._scheduler.link
+    link = opt.engine.scheduler.link
     assert link.alpha >= 0 and link.beta >= 0
 
 
@@ -113,9 +115,9 @@ def test_switching_to_dense_folds_the_residual_in():
     model, opt = model_and_optimizer()
     train(model, opt, 5)
     assert any(r.abs().sum() > 0 for r in opt.residuals().values())
-    for slot in opt._sparse_slots():
+    for slot in sparse_buckets(opt, model):
         slot.reducer.force_dense = True  # what a dense decision sets
-    opt._scheduler.next_decision = 10**9  # and no decision to undo it
+    opt.engine.scheduler.next_decision = 10**9  # and no decision to undo it
     train(model, opt, 1)
     assert all(r.abs().sum() == 0 for r in opt.residuals().values())
     assert opt.stats().dense_buckets == 3
@@ -127,11 +129,11 @@ def test_dense_steps_after_the_switch_reduce_the_bucket_buffer_like_horovod():
     Switching back to sparse then conserves mass from a clear residual."""
     model, opt = model_and_optimizer()
     train(model, opt, 5)
-    for slot in opt._sparse_slots():
+    for slot in sparse_buckets(opt, model):
         slot.reducer.force_dense = True
-    opt._scheduler.next_decision = 10**9
+    opt.engine.scheduler.next_decision = 10**9
     train(model, opt, 1)  # the switch: residual + gradient, then a clear residual
-    slots = opt._sparse_slots()
+    slots = sparse_buckets(opt, model)
     assert all(slot.reducer.residual_clear and slot.reducer.dense_in_buffer for slot in slots)
     for step in range(3):
         g = torch.Generator().manual_seed(1000 + step * 7 + hvd.rank())
@@ -146,22 +148,24 @@ def test_dense_steps_after_the_switch_reduce_the_bucket_buffer_like_horovod():
             opt.step()
         assert all(r.abs().sum() == 0 for r in opt.residuals().values())
         assert opt.stats().dense_buckets == 3
-        assert not any(slot.reducer._dense_from_residual for slot in slots)  # the buffer
+        assert all(
+            view.last_kind in (StepKind.DENSE_IN_BUFFER, StepKind.DENSE_FUSED)  # the buffer
+            for view in opt.buckets()
+            if view.sparse
+        )
     # Back to sparse: residual_after + P * result == residual_before + gradient, summed.
     for slot in slots:
         slot.reducer.force_dense = False
     g = torch.Generator().manual_seed(2000 + hvd.rank())
     opt.zero_grad()
     model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
-    grads = {
-        slot.bucket.name: torch.cat([p.grad.reshape(-1) for p in slot.params]) for slot in slots
-    }
+    grads = {slot.name: torch.cat([p.grad.reshape(-1) for p in slot.params]) for slot in slots}
     opt.synchronize()
     for slot in slots:
         assert not slot.reducer.residual_clear
         result = torch.cat([p.grad.reshape(-1) for p in slot.params])
-        owed = hvd.allreduce(slot.reducer.residual, op=hvd.Sum, name=f"owed.{slot.bucket.name}")
-        sent = hvd.allreduce(grads[slot.bucket.name], op=hvd.Sum, name=f"g.{slot.bucket.name}")
+        owed = hvd.allreduce(slot.reducer.residual, op=hvd.Sum, name=f"owed.{slot.name}")
+        sent = hvd.allreduce(grads[slot.name], op=hvd.Sum, name=f"g.{slot.name}")
         torch.testing.assert_close(owed + hvd.size() * result, sent, rtol=1e-5, atol=1e-6)
     assert opt.stats().sparse_buckets == 2
     assert spread(model) == 0.0

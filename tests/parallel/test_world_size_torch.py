@@ -109,11 +109,13 @@ def test_optimizer_follows_a_shrinking_process_set():
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
             opt.synchronize()
-            (bucket,) = [s for s in opt._buckets if s.bucket.name in before]
-            assert bucket.reducer.world_size == len(SMALLER)
-            assert len(bucket.reducer.boundaries) == len(SMALLER) + 1
-            name = bucket.bucket.name
-            sent = bucket.flat * (len(SMALLER) if opt.op == hvd.Average else 1)
+            (bucket,) = [v for v in opt.buckets() if v.name in before]
+            assert bucket.world_size == len(SMALLER)
+            assert len(bucket.boundaries) == len(SMALLER) + 1
+            name = bucket.name
+            params = dict(model.named_parameters())
+            result = torch.cat([params[n].grad.reshape(-1) for n in opt.bucket_parameters()[name]])
+            sent = result * (len(SMALLER) if opt.op == hvd.Average else 1)
             lhs = (
                 hvd.allreduce(
                     opt.residuals()[name], op=hvd.Sum, name="shrink.after", process_set=smaller

@@ -96,3 +96,61 @@ def test_shared_state_round_trip_and_checkpoint_share():
     np.testing.assert_array_equal(back(other.sparse[0].residual), residual * np.float32(0.5))
     with pytest.raises(ValueError, match="no state matching bucket s1"):
         other.load_state_dict({"s0": saved["s0"]})
+
+
+def test_engine_runs_a_step_launching_each_bucket_at_its_last_tensor():
+    """The run of a step: a bucket launches when its last tensor is in, a fused run
+    when its last bucket is; handles move on and finish into the buffers; the results
+    equal the sums (one rank: the gradients themselves at a dense step)."""
+    ops, to, back = _torch_backend()
+    like = to(np.zeros(0, np.float32))
+    config = SparseConfig(density=0.01, warmup_steps=1)
+    arena = to(np.zeros(5000, np.float32))
+    buffers = [arena[:3000], arena[3000:], to(np.zeros(100, np.float32))]
+    reducers = [
+        BucketReducer(ops, "s0", 3000, like, config, OneRank()),
+        BucketReducer(ops, "s1", 2000, like, config, OneRank()),
+        DenseBucketReducer(ops, "d0", 100, like, OneRank()),
+    ]
+    fusion = DenseFusion([FusionMember(0, 0, 3000, 4), FusionMember(0, 3000, 2000, 4)], 1 << 30)
+    engine = Engine(
+        ops,
+        ["s0", "s1", "d0"],
+        reducers,
+        fusion,
+        buffers=buffers,
+        arenas=[arena],
+        members=[2, 1, 1],
+    )
+    rng = np.random.default_rng(3)
+    for step in range(2):
+        grads = [rng.standard_normal(n).astype(np.float32) for n in (1500, 1500, 2000, 100)]
+        places = [(0, 0), (0, 1500), (1, 0), (2, 0)]
+        # s0 waits for its second tensor; at the fused warm-up step it also waits for
+        # s1, the run's last bucket; the dense bucket launches at once.
+        expected_launches = [[False, False, True, True], [False, True, True, True]][step]
+        for (index, offset), grad, expected_launch in zip(places, grads, expected_launches):
+            if engine.gradients_in_buffer(index):
+                buffers[index][offset : offset + grad.size] = to(grad)
+            else:
+                engine.accumulate(index, to(grad), offset)
+            engine.arrived(index)
+            assert (engine.handles[index] is not None) == expected_launch
+        assert all(h is not None for h in engine.handles)
+        results = [back(engine.finish(i, h)).copy() for i, h in engine.launch_gathers()]
+        assert not engine.busy
+        engine.record_step()
+        expected = [np.concatenate(grads[:2]), grads[2], grads[3]]
+        if step == 0:
+            assert engine.fusion_runs == [[0, 1]]
+            for result, want in zip(results, expected):
+                np.testing.assert_array_equal(result, want)
+        else:
+            assert engine.kinds[:2] == [StepKind.SPARSE, StepKind.SPARSE]
+            for index in range(2):
+                # One rank: residual + result == gradient, entry by entry.
+                owed = back(engine.sparse[index].residual)
+                np.testing.assert_allclose(owed + results[index], expected[index], rtol=0, atol=0)
+            np.testing.assert_array_equal(results[2], expected[2])
+        engine.begin_step()
+    assert [view.step for view in engine.views() if view.sparse] == [2, 2]

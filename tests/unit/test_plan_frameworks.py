@@ -10,7 +10,7 @@ import torch
 
 from horovod_sparse.common.buckets import plan_model
 from horovod_sparse.tensorflow.reducer import describe_variables
-from horovod_sparse.torch.optimizer import describe_parameters
+from horovod_sparse.torch.parameters import describe_parameters
 
 # (inputs, outputs) of a stack of dense layers, with a 1-D norm between two of them.
 LAYERS = [(20, 64), (64, 64), (64, 48), (48, 5)]

@@ -1,0 +1,81 @@
+"""The one handle type of an exchange in flight (docs/design.md §3).
+
+A bucket's exchange has up to two stages in flight: the reduce-scatter (a sparse step's
+alltoall, launched by ``BucketReducer.start``) and then the all-gather or allreduce
+(launched by ``reduce_and_gather``). :class:`BucketHandle` holds whichever is in flight
+and knows how to move it on, so the optimizer, the deferred updates of
+``overlap_allgather``, the functional ``sparse_allreduce_async`` and the trace all hold
+the same kind of object: ``poll()`` (never blocks), ``advance()`` (finish the
+reduce-scatter, launch the all-gather) and ``wait()`` (the result).
+
+Sends nothing itself beyond what ``reduce_and_gather`` sends when it advances.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from horovod_sparse.common.backend import Backend, Tensor
+from horovod_sparse.common.fusion import FusedPart
+from horovod_sparse.common.pipeline import GatherInFlight, ScatterInFlight
+
+if TYPE_CHECKING:
+    from horovod_sparse.common.engine import Reducer
+
+__all__ = ["BucketHandle"]
+
+
+@dataclass
+class BucketHandle:
+    """One bucket's exchange in flight.
+
+    Args:
+        reducer: the bucket's reducer, which launched ``stage``.
+        stage: the stage in flight.
+        like: a tensor with the result's dtype and device.
+        postscale: the factor applied to the sum (1/P for an average).
+        out: where the result is written (the bucket buffer), or None for a new tensor.
+    """
+
+    reducer: Reducer
+    stage: ScatterInFlight | GatherInFlight
+    like: Tensor
+    postscale: float = 1.0
+    out: Tensor | None = None
+
+    @property
+    def ops(self) -> Backend:
+        return self.reducer.ops
+
+    @property
+    def scattering(self) -> bool:
+        """Whether the reduce-scatter is still the stage in flight."""
+        return isinstance(self.stage, ScatterInFlight)
+
+    @property
+    def collective(self) -> Any:
+        """The framework's handle of the collective in flight."""
+        stage = self.stage
+        if isinstance(stage, ScatterInFlight):
+            return stage.sent.handle
+        if isinstance(stage.handle, FusedPart):
+            return stage.handle.pending
+        return stage.handle
+
+    def poll(self) -> bool:
+        """Whether the collective in flight has finished; never blocks."""
+        return self.ops.poll(self.collective)
+
+    def advance(self) -> None:
+        """Finish the reduce-scatter and launch the all-gather (a no-op once done)."""
+        if isinstance(self.stage, ScatterInFlight):
+            self.stage = self.reducer.reduce_and_gather(self.stage)
+
+    def wait(self) -> Tensor:
+        """Block until the result is there and return it, flat (written into ``out``
+        when given)."""
+        self.advance()
+        stage = self.stage
+        assert isinstance(stage, GatherInFlight), "advanced above"
+        return self.reducer.finish(stage, self.like, self.postscale, out=self.out)
