@@ -19,50 +19,32 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import horovod.torch as hvd
 import torch
 
-from horovod_sparse.common.buckets import Bucket, plan_model
+from horovod_sparse.common.buckets import Bucket
 from horovod_sparse.common.classes import combined_class
 from horovod_sparse.common.config import SparseConfig, make_config, optimizer_scales, take_options
-from horovod_sparse.common.engine import BucketView, Engine, Reducer
-from horovod_sparse.common.fusion import DenseFusion
-from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer
-from horovod_sparse.common.scheduler import AutoScheduler, TrialOutcome
-from horovod_sparse.common.stats import StepStats
-from horovod_sparse.common.trace import Trace
+from horovod_sparse.common.engine import Engine
 from horovod_sparse.common.validation import raise_on_any_rank, verdict_of
-from horovod_sparse.torch.collectives import (
-    allgather_object,
-    called_by_horovod_state_broadcast,
-    horovod_state_broadcast_root,
-)
+from horovod_sparse.torch.assembly import attach_correction, build_engine, make_reducer
+from horovod_sparse.torch.checkpoint import OptimizerCheckpoint
+from horovod_sparse.torch.collectives import allgather_object, called_by_horovod_state_broadcast
 from horovod_sparse.torch.functions import BACKEND, op_name
 from horovod_sparse.torch.gradients import GradientRouting
 from horovod_sparse.torch.momentum import Correction, make_correction
 from horovod_sparse.torch.overlap import DeferredUpdates
 from horovod_sparse.torch.parameters import (
-    arena_layout,
-    describe_parameters,
-    group_names,
     name_parameters,
 )
+from horovod_sparse.torch.reporting import OptimizerReports
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
 
-_STATE_KEY = "horovod_sparse"
 
-if TYPE_CHECKING:
-    # What the mixin is combined with (combined_class): type checkers see the wrapped
-    # optimizer's methods and attributes; at run time the mixin has no base of its own.
-    _OptimizerBase = torch.optim.Optimizer
-else:
-    _OptimizerBase = object
-
-
-class SparseOptimizerMixin(_OptimizerBase):
+class SparseOptimizerMixin(OptimizerCheckpoint, OptimizerReports):
     """Mixin that turns a ``torch.optim.Optimizer`` class into a sparse-allreduce one.
 
     Combine it in front of any optimizer class (``class MyAdam(SparseOptimizerMixin,
@@ -149,42 +131,8 @@ class SparseOptimizerMixin(_OptimizerBase):
         self.sparse_config = config
         self._world_size = process_set.size()
         self._parameter_names = {p: n for n, p in named}  # as Horovod's optimizer has it
-        by_name = dict(named)
-        # Sparse buckets for large tensors, dense buckets for small ones, planned by the
-        # rule every framework shares.
-        plan = plan_model(
-            describe_parameters(named),
-            config.min_sparse_numel,
-            config.bucket_bytes,
-            group_names(groups, self._parameter_names),
-            num_groups if not isinstance(groups, int) else groups,
-        )
-        params = [[by_name[e.name] for e in bucket.entries] for bucket in plan.buckets]
-        # Sparse buckets' buffers are views of arenas, so adjacent ones can be reduced
-        # as one slice when their step is dense (common/fusion.py).
-        flats, members, arenas = arena_layout(params[: len(plan.sparse)])
-        flats += [
-            torch.zeros(b.numel, dtype=ps[0].dtype, device=ps[0].device)
-            for b, ps in zip(plan.buckets[len(flats) :], params[len(flats) :])
-        ]
-        no_compression = compression is None or compression is hvd.Compression.none
-        # Lossy compression reduces a copy in the wire dtype, not the buffer in place.
-        fusion = (
-            DenseFusion(members, config.dense_fusion_cap)
-            if len(members) >= 2 and no_compression
-            else None
-        )
-        self._buckets = list(plan.buckets)
-        self.engine = Engine(
-            BACKEND,
-            [b.name for b in plan.buckets],
-            [self._make_reducer(b, f) for b, f in zip(plan.buckets, flats)],
-            fusion,
-            self._make_scheduler(list(plan.sparse), flats, config),
-            buffers=flats,
-            arenas=arenas,
-            members=[len(ps) for ps in params],
-            trace=Trace(config.trace, process_set.rank()) if config.trace is not None else None,
+        self.engine, self._buckets, params = build_engine(
+            named, config, groups, num_groups, process_set, compression
         )
         self._set_scales()
         self._routing = GradientRouting(
@@ -196,7 +144,8 @@ class SparseOptimizerMixin(_OptimizerBase):
             sparse_as_dense,
             process_set,
         )
-        self._attach_correction(self._buckets, params, named)
+        self._correction = attach_correction(self._correction, self.engine, self._buckets, params)
+        self._routing.correction = self._correction
         for _, p in named:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         if config.overlap_allgather:
@@ -248,62 +197,6 @@ class SparseOptimizerMixin(_OptimizerBase):
         raise_on_any_rank(everyone, mine, problem, "parameter", "the optimizer")
         return config, named
 
-    def _make_scheduler(
-        self, sparse: list[Bucket], flats: list[torch.Tensor], config: SparseConfig
-    ) -> AutoScheduler | None:
-        judge_overlap = config.overlap_allgather == "auto"
-        if not sparse or not (config.scheduler == "auto" or judge_overlap):
-            return None
-        return AutoScheduler(
-            BACKEND,
-            "hvds.opt.schedule",
-            self.process_set,
-            [(b.numel, f.element_size()) for b, f in zip(sparse, flats)],
-            config.density,
-            every=config.scheduler_steps,
-            choose_density=config.scheduler == "auto",
-            # Starts overlapped; trials then judge it against waiting in step().
-            overlap=True if judge_overlap else None,
-        )
-
-    def _attach_correction(
-        self,
-        buckets: list[Bucket],
-        params: list[list[torch.Tensor]],
-        named: list[tuple[str, torch.Tensor]],
-    ) -> None:
-        """Only parameters of sparse buckets are corrected: a tensor that is always
-        reduced densely steps by the wrapped optimizer's own algorithm."""
-        correction = self._correction
-        if correction is None:
-            return
-        for index, (bucket, members) in enumerate(zip(buckets, params)):
-            if bucket.kind == "sparse":
-                offsets = [e.offset for e in bucket.entries]
-                self.engine.mask_with(
-                    index,
-                    correction.cover(bucket.name, members, offsets, self.engine.buffers[index]),
-                )
-        self._routing.correction = correction if correction.covered else None
-        self._correction = self._routing.correction  # no sparse bucket: nothing to correct
-
-    def _make_reducer(self, bucket: Bucket, flat: torch.Tensor) -> Reducer:
-        """A reducer for ``bucket`` over the process set as it is now."""
-        name = f"hvds.opt.{bucket.name}"
-        if bucket.kind == "sparse":
-            return BucketReducer(
-                BACKEND,
-                name,
-                bucket.numel,
-                flat,
-                self.sparse_config,
-                self.process_set,
-                self.compression,
-            )
-        return DenseBucketReducer(
-            BACKEND, name, bucket.numel, flat, self.process_set, self.compression
-        )
-
     def _set_scales(self) -> None:
         self.engine.prescale, self.engine.postscale = optimizer_scales(
             op_name(self.op), self.process_set.size(), self.gradient_predivide_factor
@@ -316,8 +209,11 @@ class SparseOptimizerMixin(_OptimizerBase):
             return
         self._world_size = self.process_set.size()
         self._set_scales()
+        buckets, buffers, config = self._buckets, self.engine.buffers, self.sparse_config
         self.engine.follow_world_size(
-            lambda i: self._make_reducer(self._buckets[i], self.engine.buffers[i])
+            lambda i: make_reducer(
+                buckets[i], buffers[i], config, self.process_set, self.compression
+            )
         )
 
     # ------------------------------------------------------------------ hooks
@@ -357,13 +253,6 @@ class SparseOptimizerMixin(_OptimizerBase):
         self.engine.begin_step()
         self._routing.begin_step()
 
-    @property
-    def fused_dense_runs(self) -> list[list[str]]:
-        """Bucket names reduced together by one allreduce in the current (or, between
-        steps, the last) step: runs of adjacent dense buckets (see
-        :mod:`horovod_sparse.common.fusion`)."""
-        return [[self.engine.names[i] for i in run] for run in self.engine.fusion_runs]
-
     # ------------------------------------------------------------------ public API
     def synchronize(self) -> None:
         """Finish every bucket's exchange and write the averaged gradients into ``p.grad``.
@@ -400,68 +289,6 @@ class SparseOptimizerMixin(_OptimizerBase):
         self._routing.submit_unused()
         # With the all-gathers deferred to the next forward, launch them in forward order.
         return self.engine.launch_gathers(forward_order=self._deferred is not None)
-
-    def schedule(self) -> dict[str, dict[str, Any]]:
-        """Per sparse bucket: the exchange the scheduler chose and its predictions.
-
-        ``{"mode": "dense" | "sparse", "overlap": bool, "predicted_dense_s",
-        "predicted_sparse_s", "local_s_per_element", "measured_dense_s",
-        "measured_sparse_s"}`` (seconds per step; see
-        :mod:`horovod_sparse.common.scheduler`). Before the first decision, or with
-        ``scheduler="fixed"``, the mode is "sparse" and the figures are NaN. ``overlap``:
-        whether the bucket's all-gather is left to the next forward pass (see
-        :attr:`overlapping`).
-        """
-        return self.engine.schedule(self.overlapping)
-
-    def schedule_trials(self) -> list[TrialOutcome]:
-        """Every trial of the automatic scheduler so far: the modes before and tried
-        (True: dense, per sparse bucket), the overlap before and tried (with
-        ``overlap_allgather="auto"``), the median step seconds of each, and whether the
-        tried setting was kept. Empty with ``scheduler="fixed"`` and no ``"auto"``
-        overlap."""
-        return self.engine.trials()
-
-    def buckets(self) -> list[BucketView]:
-        """A read-only snapshot of every bucket (name, kind, size, step, boundaries,
-        the last step's kind), in plan order."""
-        return self.engine.views()
-
-    def bucket_parameters(self) -> dict[str, list[str]]:
-        """Each bucket's parameter names, in the order of its buffer."""
-        return {b.name: [e.name for e in b.entries] for b in self._buckets}
-
-    def write_trace(self) -> str | None:
-        """Write the Chrome trace (option ``trace``); returns its path, or None."""
-        return self.engine.trace.write() if self.engine.trace is not None else None
-
-    def trace_summary(self) -> dict[str, float]:
-        """Reduce-scatter time hidden behind backward so far (option ``trace``)."""
-        if self.engine.trace is None:
-            raise RuntimeError("pass trace=<path> to the optimizer to record a trace")
-        hidden = self.engine.trace.hidden
-        return {
-            "reduce_scatters": hidden.count,
-            "lifetime_s": hidden.lifetime,
-            "hidden_s": hidden.hidden,
-            "hidden_fraction": hidden.fraction,
-        }
-
-    @property
-    def overlapping(self) -> bool:
-        """Whether ``step()`` leaves the all-gathers to the next forward pass: always
-        with ``overlap_allgather=True``, as the scheduler last chose with ``"auto"``
-        (always, too, when no bucket is sparse: there is then no scheduler)."""
-        if self._deferred is None:
-            return False
-        scheduler = self.engine.scheduler
-        return scheduler is None or scheduler.overlap is not False
-
-    @property
-    def pending_updates(self) -> int:
-        """Bucket updates waiting for their all-gather (``overlap_allgather``); 0
-        otherwise."""
-        return len(self._deferred.pending) if self._deferred is not None else 0
 
     def flush(self) -> None:
         """Apply every update still waiting for its all-gather (``overlap_allgather``).
@@ -563,95 +390,6 @@ class SparseOptimizerMixin(_OptimizerBase):
                 "cause a race condition."
             )
         return super().zero_grad(set_to_none=set_to_none)
-
-    def stats(self) -> StepStats:
-        """Statistics of the last synchronized step, summed over buckets and dense tensors."""
-        return self.engine.stats()
-
-    def residuals(self) -> dict[str, torch.Tensor]:
-        """This rank's residual per bucket name (flat buffers; read-only views)."""
-        return {n: r.residual for n, r in zip(self.engine.names, self.engine.sparse)}
-
-    def velocities(self) -> dict[str, torch.Tensor]:
-        """This rank's SGD momentum-correction velocity per bucket name (flat buffers;
-        read-only views); empty unless SGD momentum correction is on."""
-        buffers = self._correction.bucket_buffers if self._correction is not None else {}
-        return {name: b["velocity"] for name, b in buffers.items() if "velocity" in b}
-
-    @property
-    def momentum_correction(self) -> bool:
-        """Whether the optimizer's momentum runs in front of the exchange for the
-        parameters of sparse buckets (see :mod:`horovod_sparse.torch.momentum`)."""
-        return self._correction is not None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state plus, per sparse bucket, this rank's residual,
-        step count, selection state (threshold) and partition boundaries.
-
-        With momentum correction, the per-rank velocity or moments are the wrapped
-        optimizer's own state entries (``momentum_buffer``; ``step``, ``exp_avg``,
-        ``exp_avg_sq``), so Horovod's ``broadcast_optimizer_state`` and a plain torch
-        optimizer read them as their own. Residuals are per rank: save one checkpoint
-        per rank to resume exactly. See :meth:`load_state_dict` for loading on another
-        rank or world size.
-        """
-        self.flush()
-        root = horovod_state_broadcast_root()
-        if root is not None and self._member:
-            self._take_shared_state_from(root)
-        state = super().state_dict()
-        if self._member:
-            rank, size = self.process_set.rank(), self.process_set.size()
-            state[_STATE_KEY] = self.engine.checkpoint(rank, size, self._owner_token)
-        return state
-
-    def _take_shared_state_from(self, root: int) -> None:
-        """What every rank must agree on, taken from ``root`` (one small collective):
-        each sparse bucket's step count (the density schedule, the scheduler's
-        decisions) and partition boundaries.
-
-        Horovod's ``broadcast_optimizer_state`` calls ``state_dict()`` first on every
-        rank, then broadcasts the wrapped optimizer's state and hyperparameters only.
-        After a restore on the root alone, the ranks would otherwise disagree on which
-        steps are dense or when the scheduler decides, and wait in different collectives.
-        """
-        everyone = allgather_object(
-            self.engine.shared_state(), "hvds.opt.shared_state", self.process_set
-        )
-        members = getattr(self.process_set, "ranks", None) or list(range(len(everyone)))
-        self.engine.adopt_shared_state(everyone[members.index(root)])
-        self._step_began = None
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`. Residuals and velocities follow this policy:
-
-        - written by this optimizer (elastic ``commit``/``restore``), or by the same rank
-          at the same world size (one checkpoint per rank): restored as saved;
-        - written by another rank or at another world size: the saved residual is
-          divided by this world size, so when every rank loads the same checkpoint its
-          owed mass is counted exactly once; the velocity is loaded as saved. A
-          warning says so, since the residuals the other ranks held at save time are
-          not in this checkpoint. Owner regions are cut again for the new size.
-        """
-        state_dict = dict(state_dict)
-        sparse_state = state_dict.pop(_STATE_KEY, None)
-        super().load_state_dict(state_dict)
-        if self._correction is not None:
-            # The loaded entries are new tensors: their values go into the flat buffers,
-            # which the exchange masks and the correction updates.
-            self._correction.adopt_state()
-        if not self._member:
-            return
-        # A step interrupted by a failure (elastic restore) leaves exchanges in flight
-        # whose handles belong to the old world; the restored state replaces them, as
-        # it replaces updates still deferred to the next forward.
-        if self._deferred is not None:
-            self._deferred.discard()
-        self._begin_step()
-        if sparse_state is not None:
-            rank, size = self.process_set.rank(), self.process_set.size()
-            self.engine.restore(sparse_state, rank, size, self._owner_token)
-            self._step_began = None
 
 
 def _can_be_sparse(config: SparseConfig, named: list[tuple[str, torch.Tensor]]) -> bool:
