@@ -3,7 +3,10 @@
 The stage modules of :mod:`horovod_sparse.common` are written once against this
 interface; ``horovod_sparse.torch`` and ``horovod_sparse.tensorflow`` implement it.
 Sizes and ranks are host ints; everything else may stay a device tensor.
-A "scalar" is either a host number or a 0-d tensor (TF keeps them in the graph).
+A "scalar" is either a host number or a 0-d tensor (TF keeps them in the graph). The
+budget k is a host int too, except under TF while the density decays
+(``density_decay_steps``): it follows the step variable, so it is a graph scalar
+(:class:`HostCounts`).
 
 State that changes from step to step (a reused threshold, a step count, partition
 boundaries) lives in a :class:`Cell` that the backend makes: a plain Python box for
@@ -15,9 +18,23 @@ depend on such state go through :meth:`Backend.cond`: a Python ``if`` on a host 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+import math
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-__all__ = ["Backend", "Cell", "HorovodPrimitives", "HostCell", "Tensor"]
+from horovod_sparse.common.config import budget
+
+if TYPE_CHECKING:
+    from horovod_sparse.common.config import SparseConfig
+
+__all__ = [
+    "Backend",
+    "Cell",
+    "HorovodPrimitives",
+    "HostCell",
+    "HostCounts",
+    "Tensor",
+    "host_at_least",
+]
 
 Tensor = Any  # a framework tensor: torch.Tensor or tf.Tensor
 
@@ -42,11 +59,64 @@ class HostCell:
         self.value = value
 
 
-class HorovodPrimitives:
+def host_at_least(count: Any, bound: int) -> bool:
+    """Whether ``count`` is a host number of at least ``bound``.
+
+    A graph scalar (a budget that follows a TF step variable) is never known here: its
+    caller settles the comparison in the graph (a ``tf.cond`` on the schedule takes the
+    dense step whenever the budget reaches n, so a graph budget is below n).
+    """
+    return isinstance(count, (int, float)) and count >= bound
+
+
+_ROUNDINGS: dict[str, Callable[[float], int]] = {
+    "ceil": math.ceil,
+    "floor": math.floor,
+    "round": round,  # half to even, as tf.math.round
+}
+
+
+class HostCounts:
+    """Budget arithmetic on host ints: right wherever the step count is a host value.
+
+    A backend whose step count can be a graph value (TF's ``tf.Variable`` under
+    ``tf.function``) overrides both methods, so that a budget that follows the step
+    count (``density_decay_steps``) is computed in the graph.
+    """
+
+    def sparse_budget(self, numel: int, config: SparseConfig, step: Any) -> Any:
+        """k of a sparse step (past any warm-up) at ``step``:
+        ``budget(numel, config.sparse_density_at(step))``. Reads ``step`` only while the
+        density decays."""
+        return budget(numel, config.sparse_density_at(step))
+
+    def scaled_count(
+        self,
+        count: Any,
+        numerator: float,
+        denominator: int = 1,
+        rounding: str = "floor",
+        least: int | None = None,
+        most: int | None = None,
+    ) -> Any:
+        """``rounding`` (``"ceil"``, ``"floor"``, or ``"round"``: half to even) of
+        ``count * numerator / denominator``, then at most ``most`` and at least
+        ``least`` where given; evaluated in that order, in float64, so that every
+        backend gets the same integer from the same count."""
+        value = _ROUNDINGS[rounding](count * numerator / denominator)
+        if most is not None:
+            value = min(most, value)
+        if least is not None:
+            value = max(least, value)
+        return value
+
+
+class HorovodPrimitives(HostCounts):
     """The primitives of :class:`Backend` that are the same in every framework, because
     Horovod's objects answer them: a ``ProcessSet``'s rank and size, and a
     ``Compression`` class's codec. Backends inherit them and set :attr:`no_compression`
-    to their framework's ``hvd.Compression.none``."""
+    to their framework's ``hvd.Compression.none``. The host budget arithmetic of
+    :class:`HostCounts` comes with them."""
 
     no_compression: Any = None
 
@@ -91,6 +161,24 @@ class Backend(Protocol):
     def on_host(self, function: Callable[[list[int]], list[int]], counts: Tensor) -> Any:
         """``function`` of the host list of int ``counts``, at run time (a host round
         trip), as a host list or, in a graph, an int64 tensor."""
+
+    # ---- budgets (see HostCounts): host ints, or graph scalars where the step is one
+    def sparse_budget(self, numel: int, config: SparseConfig, step: Any) -> Any:
+        """k of a sparse step at ``step`` (``SparseConfig.sparse_density_at``): a host
+        int, or an int64 scalar tensor where the step count is a graph value and the
+        density decays."""
+
+    def scaled_count(
+        self,
+        count: Any,
+        numerator: float,
+        denominator: int = 1,
+        rounding: str = "floor",
+        least: int | None = None,
+        most: int | None = None,
+    ) -> Any:
+        """Rounded ``count * numerator / denominator`` within ``[least, most]``: a host
+        int for a host ``count``, an int64 scalar for a graph one."""
 
     # ---- dense arithmetic and bookkeeping
     def zeros(self, numel: int, like: Tensor) -> Tensor: ...
@@ -139,19 +227,20 @@ class Backend(Protocol):
         """A timestamp taken after ``after`` are computed (seconds)."""
 
     # ---- selection and residual updates
-    def topk_indices(self, values: Tensor, k: int) -> Tensor:
-        """Indices of the k largest ``|values|``, ascending, int64."""
+    def topk_indices(self, values: Tensor, k: Any) -> Tensor:
+        """Indices of the k largest ``|values|``, ascending, int64 (``k``: a host int, or
+        a graph scalar below n, as every ``k`` below)."""
 
     def strided_sample_abs(self, values: Tensor, size: int, offset: int) -> Tensor:
         """``|values|`` at ``size`` evenly strided positions starting near ``offset``."""
 
-    def kth_largest(self, values: Tensor, k: int) -> Tensor:
+    def kth_largest(self, values: Tensor, k: Any) -> Tensor:
         """Scalar: the k-th largest of ``values``."""
 
     def indices_at_least(self, values: Tensor, threshold: Tensor) -> Tensor:
         """Ascending int64 indices where ``|values| >= threshold`` (one memory pass)."""
 
-    def top_of(self, values: Tensor, candidates: Tensor, k: int) -> Tensor:
+    def top_of(self, values: Tensor, candidates: Tensor, k: Any) -> Tensor:
         """The k of ``candidates`` with the largest ``|values|``, ascending."""
 
     def position_histogram(self, indices: Tensor, numel: int, bins: int) -> Tensor:
@@ -195,7 +284,7 @@ class Backend(Protocol):
     def magnitude_keys(self, values: Tensor) -> Tensor:
         """int32 keys ordered like ``|values|`` (bits of the fp32 magnitude)."""
 
-    def radix_start(self, like: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    def radix_start(self, like: Tensor, k: Any) -> tuple[Tensor, Tensor]:
         """Initial ``(prefix, remaining)`` scalars."""
 
     def digit_histogram(self, keys: Tensor, prefix: Tensor, shift: int) -> Tensor:

@@ -28,13 +28,13 @@ RADIX_SHIFTS = (24, 16, 8, 0)  # most significant digit first
 HISTOGRAM_BINS = 1 << RADIX_BITS
 
 
-def global_threshold_key(ops: Backend, keys: Tensor, k: int, name: str, process_set: Any) -> Tensor:
+def global_threshold_key(ops: Backend, keys: Tensor, k: Any, name: str, process_set: Any) -> Tensor:
     """Key (fp32 magnitude bits) of the k-th largest magnitude over all owners.
 
     Args:
         ops: framework primitives.
         keys: this owner's ``ops.magnitude_keys(reduced_values)``.
-        k: global budget.
+        k: global budget: a host int, or a graph scalar (a decaying density under TF).
         name: collective-name stem, identical on every rank.
         process_set: the ranks taking part.
 

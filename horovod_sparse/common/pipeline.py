@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from horovod_sparse.common.backend import Backend, Tensor
+from horovod_sparse.common.backend import Backend, Tensor, host_at_least
 from horovod_sparse.common.config import SparseConfig, budget
 from horovod_sparse.common.exchange import (
     ReduceScatterSent,
@@ -112,7 +112,8 @@ class BucketReducer:
         self.velocity: Tensor | None = None
         # Set by an automatic scheduler: exchange this bucket densely while True.
         self.force_dense = False
-        self.k = config.budget(numel)  # budget of the current step
+        # Budget of the current step: a host int, or a graph scalar (Backend.sparse_budget).
+        self.k: Any = config.budget(numel)
         self._dense_lost: Tensor | None = None  # compression rounding of a dense step
         self._dense_from_residual = False  # whether a dense step reduces the residual
         self.last_record = StepRecord()  # what the last step did
@@ -226,11 +227,11 @@ class BucketReducer:
         began = ops.clock()
         if dense is None:
             dense = self.dense_step
-        # A sparse step is past any warm-up: its density does not read the step count
-        # unless the density decays (which TF does not offer), so a graph step need not.
-        self.k = (
-            self.numel if dense else budget(self.numel, self.config.sparse_density_at(self.step))
-        )
+        # A sparse step is past any warm-up: its density reads the step count only while
+        # it decays. The backend computes that k: a host int, or, where the step count
+        # is a graph value (TF), a graph scalar, below n since a tf.cond on the same
+        # schedule takes the dense kind whenever the budget reaches n.
+        self.k = self.numel if dense else ops.sparse_budget(self.numel, self.config, self.step)
         step, self.step = self.step, self.step + 1
         # Step 2: error feedback; the residual buffer becomes the accumulator in place
         # (already done tensor by tensor through accumulate() when grad is None).
@@ -238,7 +239,7 @@ class BucketReducer:
             self.residual = ops.add_scaled_(self.residual, grad, prescale)
         self.residual_clear = False  # the gradients are in it (see accumulate())
         accumulator = self.residual
-        if dense or self.k >= self.numel:
+        if dense or host_at_least(self.k, self.numel):
             return self._start_dense(accumulator, began)
         # Step 3: local selection; what is not selected stays in the residual.
         indices = self.selection.select(ops, accumulator, self.k)

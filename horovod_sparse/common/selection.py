@@ -5,10 +5,9 @@ Sends nothing. Keeps everything it does not select (the caller leaves it in the 
 
 from __future__ import annotations
 
-import math
 from typing import Any, Protocol
 
-from horovod_sparse.common.backend import Backend, Cell, Tensor
+from horovod_sparse.common.backend import Backend, Cell, Tensor, host_at_least
 
 __all__ = ["ExactSelection", "LocalSelection", "ThresholdSelection", "make_selection"]
 
@@ -20,7 +19,8 @@ class LocalSelection(Protocol):
     keep their state on the instance, one instance per bucket.
     """
 
-    def select(self, ops: Backend, accumulator: Tensor, k: int) -> Tensor: ...
+    def select(self, ops: Backend, accumulator: Tensor, k: Any) -> Tensor:
+        """``k``: a host int, or a graph scalar below n (see ``Backend.sparse_budget``)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to continue the same selections."""
@@ -31,7 +31,7 @@ class LocalSelection(Protocol):
 class ExactSelection:
     """Exactly the ``k`` largest magnitudes (``topk``): O(n log k), no state."""
 
-    def select(self, ops: Backend, accumulator: Tensor, k: int) -> Tensor:
+    def select(self, ops: Backend, accumulator: Tensor, k: Any) -> Tensor:
         return ops.topk_indices(accumulator, k)
 
     def state_dict(self) -> dict[str, Any]:
@@ -79,20 +79,22 @@ class ThresholdSelection:
             self._cells = (threshold, ops.cell(int(loaded["calls"])), ops.cell(loaded["stale"]))
         return self._cells
 
-    def _estimate(self, ops: Backend, accumulator: Tensor, k: int, numel: int, calls: Any) -> Any:
+    def _estimate(self, ops: Backend, accumulator: Tensor, k: Any, numel: int, calls: Any) -> Any:
         sample = min(numel, self.sample_size)
         # The (k / n)-quantile of the sample, from the top.
-        rank_in_sample = max(1, min(sample, round(k * sample / numel)))
+        rank_in_sample = ops.scaled_count(k, sample, numel, "round", least=1, most=sample)
         magnitudes = ops.strided_sample_abs(accumulator, sample, offset=calls)
         return ops.kth_largest(magnitudes, rank_in_sample)
 
-    def select(self, ops: Backend, accumulator: Tensor, k: int) -> Tensor:
+    def select(self, ops: Backend, accumulator: Tensor, k: Any) -> Tensor:
         numel = ops.length(accumulator)
-        if k >= numel:
+        if host_at_least(k, numel):
             return ops.topk_indices(accumulator, k)
         threshold_cell, calls_cell, stale_cell = self._state(ops, accumulator)
-        # Integer bounds, the same test for an integer count (TF compares int64 tensors).
-        low, high = math.ceil(self.band[0] * k), math.floor(self.band[1] * k)
+        # Integer bounds, the same test for an integer count (TF compares int64 tensors);
+        # host ints, or graph scalars when k is one (a decaying density under TF).
+        low = ops.scaled_count(k, self.band[0], rounding="ceil")
+        high = ops.scaled_count(k, self.band[1], rounding="floor")
         calls = calls_cell.get()
         # Step 1: estimate when due; otherwise reuse the last threshold.
         threshold = ops.cond(

@@ -17,10 +17,13 @@ import numpy as np
 import tensorflow as tf
 
 from horovod_sparse.common.backend import HorovodPrimitives
+from horovod_sparse.common.config import SparseConfig, budget
 
-__all__ = ["TFBackend", "VariableCell"]
+__all__ = ["TFBackend", "VariableCell", "scheduled_budget"]
 
 _HISTOGRAM_BINS = 256
+# tf.math.round rounds half to even, as Python's round does on the host.
+_ROUNDINGS = {"ceil": tf.math.ceil, "floor": tf.math.floor, "round": tf.math.round}
 
 
 def _shape(buffer: tf.Tensor) -> tf.Tensor:
@@ -32,7 +35,7 @@ def _rows(indices: tf.Tensor) -> tf.Tensor:
     return tf.cast(indices, tf.int64)[:, None]
 
 
-def _top_k_mask(magnitudes: tf.Tensor, k: int) -> tf.Tensor:
+def _top_k_mask(magnitudes: tf.Tensor, k: Any) -> tf.Tensor:
     """Exactly the k largest ``magnitudes`` (ties by lower position, NaN counted as the
     largest, as ``torch.topk`` counts it), as a mask, so the positions stay ascending.
 
@@ -41,11 +44,31 @@ def _top_k_mask(magnitudes: tf.Tensor, k: int) -> tf.Tensor:
     sort of its indices); on 235k candidates, 5.1 ms against 23.1 ms (CPU, one thread).
     """
     magnitudes = tf.where(tf.math.is_nan(magnitudes), tf.cast(np.inf, magnitudes.dtype), magnitudes)
-    kth = tf.raw_ops.NthElement(input=magnitudes, n=k - 1, reverse=True)
+    kth = tf.raw_ops.NthElement(input=magnitudes, n=tf.cast(k - 1, tf.int32), reverse=True)
     above = magnitudes > kth
     at = tf.equal(magnitudes, kth)
     room = k - tf.reduce_sum(tf.cast(above, tf.int64))
     return above | (at & (tf.cumsum(tf.cast(at, tf.int64)) <= room))
+
+
+def scheduled_budget(numel: int, config: SparseConfig, step: Any) -> Any:
+    """``budget(numel, config.density_at(step))`` for a step count that may be a graph
+    value: a host int when the density does not depend on the step, else an int64
+    scalar computed in the graph (n during warm-up).
+
+    The budgets of the decay (``density_decay_steps`` + 1 of them: the last is the
+    target density's) are computed on the host by the one rule, ``density_at``, and
+    looked up by the step, so the graph's k is the host's exactly: no float power in
+    the graph whose last bit could move a ceil. The cost is a constant of that many
+    int64 per bucket.
+    """
+    warmup, decay = config.warmup_steps, config.density_decay_steps
+    if not (warmup or decay):
+        return budget(numel, config.density)
+    table = [budget(numel, config.density_at(warmup + i)) for i in range(decay + 1)]
+    step = tf.cast(step, tf.int64)
+    k = tf.gather(tf.constant(table, tf.int64), tf.clip_by_value(step - warmup, 0, decay))
+    return tf.where(step < warmup, tf.constant(numel, tf.int64), k) if warmup else k
 
 
 class VariableCell:
@@ -86,6 +109,33 @@ class TFBackend(HorovodPrimitives):
 
         result = tf.numpy_function(call, [counts], tf.int64, stateful=False)
         return tf.ensure_shape(result, [None])
+
+    # ---- budgets: k follows the step variable while the density decays
+    def sparse_budget(self, numel: int, config: SparseConfig, step: Any) -> Any:
+        if not config.density_decay_steps:
+            return super().sparse_budget(numel, config, step)  # a host int; step not read
+        # A tensor eagerly too, so that eager and traced steps run the same code.
+        return scheduled_budget(numel, config, step)
+
+    def scaled_count(
+        self,
+        count: Any,
+        numerator: float,
+        denominator: int = 1,
+        rounding: str = "floor",
+        least: int | None = None,
+        most: int | None = None,
+    ) -> Any:
+        if not tf.is_tensor(count):
+            return super().scaled_count(count, numerator, denominator, rounding, least, most)
+        # float64 as on the host: the same products and quotients, rounded alike.
+        value = tf.cast(count, tf.float64) * numerator / denominator
+        rounded = _ROUNDINGS[rounding](value)
+        if most is not None:
+            rounded = tf.minimum(rounded, float(most))
+        if least is not None:
+            rounded = tf.maximum(rounded, float(least))
+        return tf.cast(rounded, tf.int64)
 
     # ---- dense arithmetic
     def zeros(self, numel: int, like: tf.Tensor) -> tf.Tensor:
@@ -158,9 +208,9 @@ class TFBackend(HorovodPrimitives):
             return tf.timestamp()
 
     # ---- selection
-    def topk_indices(self, values: tf.Tensor, k: int) -> tf.Tensor:
+    def topk_indices(self, values: tf.Tensor, k: Any) -> tf.Tensor:
         numel = values.shape[0]
-        if numel is not None and k >= numel:
+        if numel is not None and not tf.is_tensor(k) and k >= numel:
             return tf.range(numel, dtype=tf.int64)
         return tf.where(_top_k_mask(tf.abs(values), k))[:, 0]
 
@@ -169,14 +219,14 @@ class TFBackend(HorovodPrimitives):
         positions = tf.range(size, dtype=tf.int64) * stride + (offset % stride)
         return tf.abs(tf.gather(values, positions))
 
-    def kth_largest(self, values: tf.Tensor, k: int) -> tf.Tensor:
-        return tf.raw_ops.NthElement(input=values, n=k - 1, reverse=True)
+    def kth_largest(self, values: tf.Tensor, k: Any) -> tf.Tensor:
+        return tf.raw_ops.NthElement(input=values, n=tf.cast(k - 1, tf.int32), reverse=True)
 
     def indices_at_least(self, values: tf.Tensor, threshold: tf.Tensor) -> tf.Tensor:
         # "Not below": NaN (false in every comparison) is selected, as dense would pass it.
         return tf.where(tf.logical_not(tf.abs(values) < threshold))[:, 0]
 
-    def top_of(self, values: tf.Tensor, candidates: tf.Tensor, k: int) -> tf.Tensor:
+    def top_of(self, values: tf.Tensor, candidates: tf.Tensor, k: Any) -> tf.Tensor:
         magnitudes = tf.abs(tf.gather(values, candidates))
         return tf.boolean_mask(candidates, _top_k_mask(magnitudes, k))
 
@@ -250,8 +300,8 @@ class TFBackend(HorovodPrimitives):
     def magnitude_keys(self, values: tf.Tensor) -> tf.Tensor:
         return tf.bitcast(tf.cast(tf.abs(values), tf.float32), tf.int32)
 
-    def radix_start(self, like: tf.Tensor, k: int) -> tuple[tf.Tensor, tf.Tensor]:
-        return tf.zeros([], tf.int32), tf.constant(k, tf.int64)
+    def radix_start(self, like: tf.Tensor, k: Any) -> tuple[tf.Tensor, tf.Tensor]:
+        return tf.zeros([], tf.int32), tf.cast(k, tf.int64)  # k: a host int or a graph scalar
 
     def digit_histogram(self, keys: tf.Tensor, prefix: tf.Tensor, shift: int) -> tf.Tensor:
         digit = tf.bitwise.bitwise_and(tf.bitwise.right_shift(keys, shift), _HISTOGRAM_BINS - 1)

@@ -69,7 +69,8 @@ def sparse_allreduce(
     four 1 KiB histogram allreduces and one allgather of about k(P-1)/P rows in.
     Keeps the unselected mass in the ``tf.Variable`` residual stored under ``name``.
     ``options``: ``selection``, ``partition``, ``reestimate_steps``,
-    ``repartition_steps``, ``error_feedback`` (see
+    ``repartition_steps``, ``warmup_steps``, ``density_decay_steps`` (k follows the
+    step count, inside one trace too), ``error_feedback`` (see
     :class:`~horovod_sparse.common.config.SparseConfig`).
 
     Example:

@@ -17,10 +17,11 @@ import tensorflow as tf
 from horovod_sparse.common.buckets import Bucket, plan_model
 from horovod_sparse.common.config import SparseConfig, optimizer_scales
 from horovod_sparse.common.correction import adam_direction, sgd_direction
+from horovod_sparse.common.fusion import FusionMember, plan_dense_runs
 from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer
-from horovod_sparse.common.stats import StepStats
+from horovod_sparse.common.stats import StepStats, allreduce_ring_bytes
 from horovod_sparse.common.step import StepRecord
-from horovod_sparse.tensorflow.backend import TFBackend
+from horovod_sparse.tensorflow.backend import TFBackend, scheduled_budget
 
 __all__ = [
     "BACKEND",
@@ -28,6 +29,7 @@ __all__ = [
     "AdamSettings",
     "BucketState",
     "GradientReducer",
+    "dense_step",
     "describe_variables",
     "op_name",
     "run_bucket",
@@ -47,6 +49,8 @@ TF_OPTIONS = frozenset(
         "reestimate_steps",
         "repartition_steps",
         "warmup_steps",
+        "density_decay_steps",
+        "dense_fusion_bytes",
         "error_feedback",
         "momentum_correction",
     )
@@ -98,6 +102,11 @@ class AdamSettings:
     epsilon: float
 
 
+# One bucket's step as the exchange hands it out: the result, the record's figures, the
+# residual (None for a dense bucket) and the velocity (None without momentum correction).
+Outputs = tuple[tf.Tensor, tf.Tensor, Any, Any]
+
+
 def run_bucket(
     state: BucketState,
     flat: tf.Tensor,
@@ -113,12 +122,23 @@ def run_bucket(
     this rank selects are zeroed in ``u`` too (momentum factor masking), a dense bucket
     keeps all of ``u`` as dense momentum SGD does.
 
-    During warm-up (``warmup_steps``) a sparse bucket's step is dense; in a graph both
-    kinds are traced and a ``tf.cond`` on the step count (a variable) picks one per call.
+    A sparse bucket's step is dense while the density schedule's budget reaches n
+    (warm-up, density 1); in a graph both kinds are traced and a ``tf.cond`` on the step
+    count (a variable) picks one per call. While the density decays the budget k itself
+    follows the step count, in the graph (``TFBackend.sparse_budget``).
     """
-    reducer = state.reducer
+    flat, velocity, updates = _correct(state, flat, adam, adam_step)
+    return _store(state, _exchange_bucket(state, flat, velocity, prescale, postscale), updates)
+
+
+def _correct(
+    state: BucketState, flat: tf.Tensor, adam: AdamSettings | None, adam_step: Any
+) -> tuple[tf.Tensor, tf.Tensor | None, list[Any]]:
+    """Momentum correction in front of the exchange: what the exchange carries, this
+    step's velocity (None without one) and the Adam moments' updates. The same whatever
+    kind the step is, so it runs outside any ``tf.cond`` on the kind."""
     velocity = None
-    updates = []
+    updates: list[Any] = []
     if state.velocity is not None:
         u = tf.convert_to_tensor(state.velocity)
         flat, velocity = sgd_direction(BACKEND, flat, u, state.momentum, 0.0, state.nesterov)
@@ -130,24 +150,58 @@ def run_bucket(
             BACKEND, flat, first, second, betas, adam.epsilon, adam_step
         )
         updates += [state.moments[0].assign(first), state.moments[1].assign(second)]
+    return flat, velocity, updates
+
+
+def _exchange_bucket(
+    state: BucketState,
+    flat: tf.Tensor,
+    velocity: tf.Tensor | None,
+    prescale: float,
+    postscale: float,
+) -> Outputs:
+    reducer = state.reducer
     if not isinstance(reducer, BucketReducer):
         result, counts = _exchange_dense_bucket(reducer, flat, prescale, postscale)
-        residual = None
-    else:
-        residual = tf.convert_to_tensor(state.residual)
+        return result, counts, None, velocity
+    result, counts, residual, masked = _exchange_sparse_bucket(
+        state, reducer, flat, velocity, prescale, postscale
+    )
+    return result, counts, residual, masked if velocity is not None else None
 
-        def exchange(dense: bool) -> tuple[Any, ...]:
-            return _exchange(state, reducer, flat, residual, velocity, dense, prescale, postscale)
 
-        warmup = reducer.config.warmup_steps
-        if warmup:
-            result, counts, residual, masked = BACKEND.cond(
-                reducer.step < warmup, lambda: exchange(True), lambda: exchange(False)
-            )
-        else:
-            result, counts, residual, masked = exchange(False)
-        velocity = masked if velocity is not None else None
-    updates.append(state.counts.assign(counts))
+def _exchange_sparse_bucket(
+    state: BucketState,
+    reducer: BucketReducer,
+    flat: tf.Tensor,
+    velocity: tf.Tensor | None,
+    prescale: float,
+    postscale: float,
+) -> tuple[Any, ...]:
+    """A sparse bucket's step, of the kind the density schedule gives
+    (:func:`dense_step`): ``(result, counts, residual, velocity or residual)``, all
+    tensors, so that a ``tf.cond`` can carry them."""
+    residual = tf.convert_to_tensor(state.residual)
+
+    def exchange(dense: bool) -> tuple[Any, ...]:
+        return _exchange(state, reducer, flat, residual, velocity, dense, prescale, postscale)
+
+    return BACKEND.cond(dense_step(reducer), lambda: exchange(True), lambda: exchange(False))
+
+
+def dense_step(reducer: BucketReducer) -> Any:
+    """Whether the bucket's next step is dense by the density schedule (warm-up,
+    density 1, a decay step whose budget still reaches n): the rule of
+    ``BucketReducer.dense_step`` (TF has no scheduler). A host bool for a flat
+    schedule, else a graph bool on the step variable."""
+    return scheduled_budget(reducer.numel, reducer.config, reducer.step) >= reducer.numel
+
+
+def _store(state: BucketState, outputs: Outputs, updates: list[Any]) -> tf.Tensor:
+    """Write a step's residual, velocity and figures to the bucket's variables; the
+    result, once they are written."""
+    result, counts, residual, velocity = outputs
+    updates = [*updates, state.counts.assign(counts)]
     if residual is not None:
         updates.append(state.residual.assign(residual))
     if velocity is not None:
@@ -242,6 +296,8 @@ class GradientReducer:
         if not process_set.included():
             raise ValueError("this rank is not in the process_set")
         self.config = config
+        self.name = name
+        self.process_set = process_set
         self.sparse_as_dense = sparse_as_dense
         self.prescale, self.postscale = optimizer_scales(
             op_name(op), process_set.size(), float(gradient_predivide_factor)
@@ -305,6 +361,42 @@ class GradientReducer:
             if self.momentum > 0:
                 self.corrected_positions.update(positions)
             self.buckets.append((bucket, positions, state))
+        self.fused_runs = self._plan_fusion(compression)
+
+    def _plan_fusion(self, compression: Any) -> list[list[int]]:
+        """Dense-step fusion (:mod:`~horovod_sparse.common.fusion`): runs of adjacent
+        sparse buckets (positions in :attr:`buckets`) that share one allreduce on a step
+        where all of them are dense (warm-up, density 1), planned by the rule torch
+        uses, ``plan_dense_runs``, within ``dense_fusion_cap`` bytes.
+
+        TF buckets are separate tensors, not views of one arena: a run's buffers are
+        concatenated. They are laid out as torch lays out its arenas (one per stretch
+        of adjacent sparse buckets of one dtype), so the same model gets the same runs.
+        Off with lossy compression, as in torch (its rounding would have to be kept per
+        bucket), and with ``dense_fusion_bytes=0``.
+        """
+        if compression is not None and compression is not hvd.Compression.none:
+            return []
+        sparse = [i for i, (bucket, _, _) in enumerate(self.buckets) if bucket.kind == "sparse"]
+        members: list[FusionMember] = []
+        arena, offset, dtype = -1, 0, None
+        for i in sparse:
+            bucket = self.buckets[i][0]
+            if bucket.dtype != dtype:
+                arena, offset, dtype = arena + 1, 0, bucket.dtype
+            members.append(
+                FusionMember(arena, offset, bucket.numel, tf.as_dtype(bucket.dtype).size)
+            )
+            offset += bucket.numel
+        if len(members) < 2:
+            return []
+        runs = plan_dense_runs(members, [True] * len(members), self.config.dense_fusion_cap)
+        return [[sparse[m] for m in run] for run in runs]
+
+    @property
+    def fused_dense_runs(self) -> list[list[str]]:
+        """Bucket names that share one allreduce on a step where they are all dense."""
+        return [[self.buckets[i][0].name for i in run] for run in self.fused_runs]
 
     def reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
         """Reduced gradients, in the order of ``grads``. ``None`` gradients count as zeros."""
@@ -313,13 +405,123 @@ class GradientReducer:
         adam_step = None
         if self._adam_step is not None:
             adam_step = self._adam_step.assign_add(tf.ones([1], tf.float32))[0]
-        for bucket, positions, state in self.buckets:
-            flat = tf.concat([tf.reshape(dense[p], [-1]) for p in positions], axis=0)
-            result = run_bucket(state, flat, self.prescale, self.postscale, self.adam, adam_step)
+        corrected = [
+            _correct(
+                state,
+                tf.concat([tf.reshape(dense[p], [-1]) for p in positions], axis=0),
+                self.adam,
+                adam_step,
+            )
+            for _, positions, state in self.buckets
+        ]
+        outputs = self._exchange_all(corrected)
+        for (bucket, positions, state), (_, _, updates), done in zip(
+            self.buckets, corrected, outputs
+        ):
+            result = _store(state, done, updates)
             pieces = tf.split(result, [e.numel for e in bucket.entries])
             for p, piece in zip(positions, pieces):
                 out[p] = tf.reshape(piece, tf.shape(dense[p]))
         return out
+
+    def _exchange_all(self, corrected: list[tuple[Any, Any, list[Any]]]) -> list[Outputs]:
+        """Every bucket's step. The buckets of :attr:`fused_runs` take one ``tf.cond``
+        on the schedule: on a step where all of them are dense, one allreduce per run
+        (:meth:`_exchange_run`); otherwise each its own step, dense or sparse."""
+        fused = [i for run in self.fused_runs for i in run]
+        outputs: list[Any] = [None] * len(self.buckets)
+        for i, ((_, _, state), (flat, velocity, _)) in enumerate(zip(self.buckets, corrected)):
+            if i not in fused:
+                outputs[i] = _exchange_bucket(state, flat, velocity, self.prescale, self.postscale)
+        if not fused:
+            return outputs
+
+        def apart() -> list[tuple[Any, ...]]:
+            return [
+                _exchange_sparse_bucket(
+                    self.buckets[i][2],
+                    self._sparse_reducer(i),
+                    corrected[i][0],
+                    corrected[i][1],
+                    self.prescale,
+                    self.postscale,
+                )
+                for i in fused
+            ]
+
+        def together() -> list[tuple[Any, ...]]:
+            return [part for run in self.fused_runs for part in self._exchange_run(run, corrected)]
+
+        # The runs' members share the config and the step count, so they are dense on
+        # the same steps; every rank takes the same branch (its collectives must match).
+        flags = [dense_step(self._sparse_reducer(i)) for i in fused]
+        if all(isinstance(f, (bool, np.bool_)) for f in flags):
+            all_dense: Any = all(flags)
+        else:
+            all_dense = tf.reduce_all(tf.stack([tf.convert_to_tensor(f) for f in flags]))
+        for i, (result, counts, residual, masked) in zip(
+            fused, BACKEND.cond(all_dense, together, apart)
+        ):
+            velocity = corrected[i][1]
+            outputs[i] = (result, counts, residual, masked if velocity is not None else None)
+        return outputs
+
+    def _exchange_run(
+        self, run: list[int], corrected: list[tuple[Any, Any, list[Any]]]
+    ) -> list[tuple[Any, ...]]:
+        """The dense step of a run's buckets as one allreduce of their concatenated
+        contributions. Per bucket, as :func:`_exchange_sparse_bucket` hands it out.
+
+        Each contribution is ``residual + prescale * grad``, as a dense step from the
+        residual computes it: a residual that owes mass (restored from a checkpoint on
+        one rank, say) moves into the allreduce whole and is cleared, so no mass stays
+        behind, and a clear one adds zeros. Each bucket's record is a dense step's,
+        with the bytes of an allreduce of its own share and its share of the wait.
+
+        Sends: one ring allreduce of the run's values (the same bytes as one per bucket).
+        """
+        states = [self.buckets[i][2] for i in run]
+        residuals = [tf.convert_to_tensor(state.residual) for state in states]
+        parts = [
+            BACKEND.add_scaled_(residual, corrected[i][0], self.prescale)
+            for i, residual in zip(run, residuals)
+        ]
+        began = BACKEND.clock(*parts)
+        first, last = self.buckets[run[0]][0].name, self.buckets[run[-1]][0].name
+        summed = BACKEND.wait(
+            BACKEND.allreduce_sum_async(
+                tf.concat(parts, axis=0), f"{self.name}.fused.{first}-{last}", self.process_set
+            )
+        )
+        waited = BACKEND.clock(summed) - began
+        sizes = [self.buckets[i][0].numel for i in run]
+        done = []
+        for i, residual, numel, piece in zip(run, residuals, sizes, tf.split(summed, sizes)):
+            reducer = self._sparse_reducer(i)
+            reducer.step = reducer.step + 1  # every kind of step advances the schedule
+            if self.postscale != 1.0:
+                piece = BACKEND.scale(piece, self.postscale)
+            record = StepRecord(
+                dense=1,
+                gathered_rows=numel,
+                own_rows=numel,
+                next_rows=numel,
+                extra_bytes=allreduce_ring_bytes(
+                    numel, reducer.world_size, BACKEND.itemsize(residual)
+                )[0],
+                seconds_exchange=waited * numel / sum(sizes),
+            )
+            cleared = BACKEND.zero_(residual)
+            velocity = corrected[i][1]
+            done.append(
+                (piece, _counts_vector(record), cleared, cleared if velocity is None else velocity)
+            )
+        return done
+
+    def _sparse_reducer(self, position: int) -> BucketReducer:
+        reducer = self.buckets[position][2].reducer
+        assert isinstance(reducer, BucketReducer), "fusion runs hold sparse buckets"
+        return reducer
 
     def _dense(self, grad: Any, variable: Any) -> tf.Tensor:
         if grad is None:

@@ -26,7 +26,8 @@ class DistributedGradientTape(tf.GradientTape):
     the gradients), plus the sparse options of
     :class:`~horovod_sparse.common.config.SparseConfig` that TF acts on (``density``,
     ``min_sparse_numel``, ``selection``, ``partition``, ``fusion_threshold_bytes``,
-    ``reestimate_steps``, ``repartition_steps``, ``error_feedback``). Residuals are
+    ``reestimate_steps``, ``repartition_steps``, ``warmup_steps``,
+    ``density_decay_steps``, ``dense_fusion_bytes``, ``error_feedback``). Residuals are
     ``tf.Variable``s that persist across tapes, keyed by ``name`` and the list of
     sources; :meth:`residual_variables` returns them for a checkpoint.
 

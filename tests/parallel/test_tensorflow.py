@@ -12,7 +12,9 @@ import tensorflow as tf
 
 import horovod_sparse.tensorflow as hvds
 import horovod_sparse.tensorflow.keras as hvds_keras
-from horovod_sparse.common.config import budget
+import horovod_sparse.tensorflow.reducer as reducer_module
+import horovod_sparse.tensorflow.tape as tape_module
+from horovod_sparse.common.config import SparseConfig, budget
 from tests.reference import reference_step, uniform_boundaries
 
 hvd.init()
@@ -154,11 +156,340 @@ def test_warmup_steps_are_dense_then_sparse(graph):
         assert_identical([out], f"warm.{graph}.{step}")
 
 
+@pytest.mark.parametrize("selection", ["exact", "threshold"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_density_decay_budget_follows_the_schedule(graph, selection):
+    """After warm-up the density decays geometrically to its target: each step keeps
+    budget(n, density_at(step)) entries, under one trace (k follows the step variable
+    in the graph); the exact selection equals the reference at that k; no mass lost."""
+    hvds.reset_residuals()
+    numel, size = 20_000, hvd.size()
+    schedule = dict(density=0.01, warmup_steps=2, density_decay_steps=5)
+    config = SparseConfig(**schedule)
+
+    def reduce(x):
+        return hvds.sparse_allreduce(
+            x, name="decay", op=hvd.Sum, selection=selection, reestimate_steps=3, **schedule
+        )
+
+    fn = tf.function(reduce) if graph else reduce
+    before = np.zeros(numel, np.float32)
+    budgets = []
+    for step in range(10):
+        grad = local_grad(70 + step, numel)
+        accumulators = gather_rows(before + grad.numpy(), f"decay.acc.{graph}.{step}")
+        out = fn(grad)
+        after = hvds.residual_variables()["decay"]
+        k = budget(numel, config.density_at(step))
+        budgets.append(k)
+        assert int(tf.math.count_nonzero(out)) == k
+        stats = hvds.stats("decay")
+        assert stats.selected == k
+        assert stats.dense_buckets == (1 if step < config.warmup_steps else 0)
+        if step < config.warmup_steps:
+            dense = hvd.allreduce(grad, op=hvd.Sum, name=f"decay.dense.{graph}.{step}")
+            np.testing.assert_allclose(out.numpy(), dense.numpy(), rtol=1e-6, atol=1e-6)
+            np.testing.assert_array_equal(after.numpy(), np.zeros(numel, np.float32))
+        elif selection == "exact":
+            expected = reference_step(accumulators, k, uniform_boundaries(numel, size))
+            np.testing.assert_array_equal(np.flatnonzero(out.numpy()), expected.selected)
+            np.testing.assert_allclose(out.numpy(), expected.result_sum, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(
+                after.numpy(), expected.residuals[hvd.rank()], rtol=1e-6, atol=1e-6
+            )
+        lhs = hvd.allreduce(tf.cast(after, tf.float64), op=hvd.Sum, name=f"decay.l.{graph}.{step}")
+        lhs += tf.cast(out, tf.float64)  # op=Sum: the result is the sum itself
+        rhs = hvd.allreduce(
+            tf.constant(before, tf.float64) + tf.cast(grad, tf.float64),
+            op=hvd.Sum,
+            name=f"decay.r.{graph}.{step}",
+        )
+        np.testing.assert_allclose(lhs.numpy(), rhs.numpy(), rtol=0, atol=1e-4)
+        before = after.numpy().copy()
+        assert_identical([out], f"decay.{graph}.{selection}.{step}")
+        if graph and step == 0:  # a first call that creates variables traces twice
+            traces = fn.experimental_get_tracing_count()
+    if graph:
+        assert fn.experimental_get_tracing_count() == traces
+    # Dense, dense, then 7963, 3170, 1262, 503, 200: the decay reaches the target.
+    assert budgets[:2] == [numel, numel] and budgets[-3:] == [200, 200, 200]
+    assert all(a > b for a, b in zip(budgets[1:7], budgets[2:7]))
+
+
 def test_options_tensorflow_does_not_act_on_are_refused():
-    with pytest.raises(ValueError, match="density_decay_steps=5 does not apply"):
-        hvds.sparse_allreduce(tf.ones([10]), name="bad", density_decay_steps=5)
+    # dense_fusion_bytes joins buckets: a single tensor has none to join, as in torch.
+    for bad, match in [
+        (dict(dense_fusion_bytes=1024), "dense_fusion_bytes=1024 does not apply"),
+        (dict(scheduler="auto"), "scheduler='auto' does not apply"),
+        (dict(trace="t.json"), "trace='t.json' does not apply"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            hvds.sparse_allreduce(tf.ones([10]), name="bad", **bad)
     with pytest.raises(TypeError, match="unknown option"):
         hvds.sparse_allreduce(tf.ones([10]), name="bad", densty=0.1)
+
+
+# ---------------------------------------------------------------- dense-step fusion
+# Three sparse buckets at a capacity of 30,000 bytes (the kernels: 24 KiB, 20 KiB and
+# 12 KiB, distinct sizes) and one dense bucket (the bias); each warm-up step fuses the
+# three sparse buckets into one allreduce.
+FUSION_SHAPES = [(64, 96), (80, 64), (64, 48), (48,)]
+FUSION_BYTES = 30_000
+FUSION_WARMUP = 3
+FUSED_BUCKETS = ["sparse0.float32", "sparse1.float32", "sparse2.float32"]
+
+
+@pytest.fixture
+def allreduce_count(monkeypatch):
+    """A variable counting the allreduces every reducer runs: incremented with each
+    one, so it counts the collectives a traced step executes, not those it traced."""
+    count = tf.Variable(0, dtype=tf.int64, trainable=False)
+    real = reducer_module.BACKEND.allreduce_sum_async
+
+    def counting(tensor, name, process_set):
+        with tf.control_dependencies([count.assign_add(1)]):
+            return real(tf.identity(tensor), name, process_set)
+
+    monkeypatch.setattr(reducer_module.BACKEND, "allreduce_sum_async", counting)
+    return count
+
+
+def fusion_grads(step):
+    rng = np.random.default_rng(7 * step + 1000 * hvd.rank())
+    return [tf.constant(rng.standard_normal(shape).astype(np.float32)) for shape in FUSION_SHAPES]
+
+
+def fusion_tape(name, graph, **options):
+    """A tape step on FUSION_SHAPES sources whose gradients are the given tensors
+    exactly (d/ds sum(s * g) = g), and the reducer it builds."""
+    sources = [tf.Variable(tf.zeros(shape)) for shape in FUSION_SHAPES]
+
+    def step(*grads):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(s * g) for s, g in zip(sources, grads)])
+        dtape = hvds.DistributedGradientTape(
+            tape,
+            name=name,
+            density=0.05,
+            fusion_threshold_bytes=FUSION_BYTES,
+            selection="exact",
+            **options,
+        )
+        return dtape.gradient(loss, sources)
+
+    return tf.function(step) if graph else step
+
+
+def tape_reducer(name):
+    return next(r for key, r in tape_module._REDUCERS.items() if key[0] == name)
+
+
+def by_bucket(reducer, tensors):
+    """Per sparse bucket name: its flat float64 slice of ``tensors`` (one per source)."""
+    return {
+        bucket.name: np.concatenate(
+            [np.asarray(tensors[p], np.float64).reshape(-1) for p in positions]
+        )
+        for bucket, positions, state in reducer.buckets
+        if state.residual is not None
+    }
+
+
+def residuals_by_bucket(reducer):
+    return {name: r.numpy().astype(np.float64) for name, r in reducer.residuals().items()}
+
+
+def assert_mass_kept(reducer, before, grads, out, tag):
+    """Summed over ranks: residual_after + P * result == residual_before + grad."""
+    after = residuals_by_bucket(reducer)
+    sent, result = by_bucket(reducer, grads), by_bucket(reducer, out)
+    for name in after:
+        lhs = hvd.allreduce(after[name], op=hvd.Sum, name=f"{tag}.l.{name}").numpy()
+        lhs += hvd.size() * result[name]
+        rhs = hvd.allreduce(before[name] + sent[name], op=hvd.Sum, name=f"{tag}.r.{name}")
+        np.testing.assert_allclose(lhs, rhs.numpy(), rtol=0, atol=1e-4)
+    return after
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_fused_warmup_steps_equal_separate_allreduces(graph, allreduce_count):
+    """Warm-up steps reduce the three sparse buckets with one allreduce, the result of
+    one allreduce each and of Horovod's dense allreduce; the sparse steps after them are
+    those of an unfused reducer, bit for bit; one trace does both kinds."""
+    steps = FUSION_WARMUP + 3
+    fused = fusion_tape(f"fuse.on.{graph}", graph, warmup_steps=FUSION_WARMUP)
+    alone = fusion_tape(
+        f"fuse.off.{graph}", graph, warmup_steps=FUSION_WARMUP, dense_fusion_bytes=0
+    )
+    fused_before = alone_before = None
+    for step in range(steps):
+        grads = fusion_grads(step)
+        counted = int(allreduce_count.numpy())
+        got = fused(*grads)
+        fused_calls = int(allreduce_count.numpy()) - counted
+        fused_stats = tape_reducer(f"fuse.on.{graph}").stats()
+        counted += fused_calls
+        expected = alone(*grads)
+        alone_calls = int(allreduce_count.numpy()) - counted
+        fused_reducer = tape_reducer(f"fuse.on.{graph}")
+        alone_reducer = tape_reducer(f"fuse.off.{graph}")
+        if step == 0:
+            assert fused_reducer.fused_dense_runs == [FUSED_BUCKETS]
+            assert alone_reducer.fused_dense_runs == []
+            fused_before = {
+                name: np.zeros_like(r) for name, r in residuals_by_bucket(fused_reducer).items()
+            }
+            alone_before = dict(fused_before)
+        warm = step < FUSION_WARMUP
+        # One allreduce for the three sparse buckets instead of three (plus the dense
+        # bucket's); a sparse step's collectives are the same either way.
+        if warm:
+            assert (fused_calls, alone_calls) == (2, 4), step
+        else:
+            assert fused_calls == alone_calls, step
+        exact = hvd.size() == 2 or not warm  # a ring over 3+ ranks sums a run in its own order
+        for a, b in zip(got, expected):
+            if exact:
+                np.testing.assert_array_equal(a.numpy(), b.numpy())
+            else:
+                np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+        # Each bucket's record: a dense step's, with the bytes of its own share.
+        alone_stats = tape_reducer(f"fuse.off.{graph}").stats()
+        for field in ("bytes_sent", "bytes_received", "dense_bytes", "numel", "selected"):
+            assert getattr(fused_stats, field) == getattr(alone_stats, field), field
+        assert fused_stats.dense_buckets == alone_stats.dense_buckets == (4 if warm else 1)
+        if warm:
+            for i, (a, g) in enumerate(zip(got, grads)):
+                dense = hvd.allreduce(g, name=f"fuse.dense.{graph}.{step}.{i}")
+                np.testing.assert_allclose(a.numpy(), dense.numpy(), rtol=1e-6, atol=1e-7)
+            for r in fused_reducer.residuals().values():
+                np.testing.assert_array_equal(r.numpy(), np.zeros(r.shape, np.float32))
+        fused_before = assert_mass_kept(
+            fused_reducer, fused_before, grads, got, f"fuse.m.{graph}.{step}"
+        )
+        alone_before = assert_mass_kept(
+            alone_reducer, alone_before, grads, expected, f"alone.m.{graph}.{step}"
+        )
+        assert_identical(got, f"fuse.{graph}.{step}")
+        if graph and step == 0:  # a first call that creates variables traces twice
+            traces = (
+                fused.experimental_get_tracing_count(),
+                alone.experimental_get_tracing_count(),
+            )
+    if graph:
+        assert (
+            fused.experimental_get_tracing_count(),
+            alone.experimental_get_tracing_count(),
+        ) == traces
+    assert tape_reducer(f"fuse.on.{graph}").stats().sparse_buckets == 3
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_a_residual_owed_on_one_rank_joins_the_fused_allreduce(graph):
+    """The fused branch is taken from the schedule, which every rank shares, not from
+    a clear residual, which one rank may lack (a checkpoint restored on rank 0 only):
+    that rank moves its residual into the fused allreduce, and no mass is left out."""
+    name = f"fuse.owed.{graph}"
+    fused = fusion_tape(name, graph, warmup_steps=FUSION_WARMUP)
+    fused(*fusion_grads(0))
+    reducer = tape_reducer(name)
+    assert reducer.fused_dense_runs == [FUSED_BUCKETS]
+    if hvd.rank() == 0:
+        rng = np.random.default_rng(5)
+        for r in reducer.residuals().values():
+            r.assign(rng.standard_normal(r.shape).astype(np.float32))
+    before = residuals_by_bucket(reducer)
+    grads = fusion_grads(1)
+    got = fused(*grads)
+    owed = by_bucket(reducer, grads)
+    result = by_bucket(reducer, got)
+    for bucket in FUSED_BUCKETS:
+        dense = hvd.allreduce(before[bucket] + owed[bucket], name=f"{name}.dense.{bucket}")
+        np.testing.assert_allclose(result[bucket], dense.numpy(), rtol=1e-6, atol=1e-7)
+    for r in reducer.residuals().values():
+        np.testing.assert_array_equal(r.numpy(), np.zeros(r.shape, np.float32))
+    assert_mass_kept(reducer, before, grads, got, f"{name}.m")
+    assert_identical(got, name)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_density_decay_with_fused_warmup_on_the_tape(graph):
+    """Fused warm-up, then each bucket's k follows budget(n_i, density_at(step))."""
+    name = f"fuse.decay.{graph}"
+    schedule = dict(warmup_steps=2, density_decay_steps=4)
+    config = SparseConfig(density=0.05, **schedule)
+    fused = fusion_tape(name, graph, **schedule)
+    before = None
+    for step in range(8):
+        grads = fusion_grads(40 + step)
+        got = fused(*grads)
+        reducer = tape_reducer(name)
+        if before is None:
+            before = {n: np.zeros_like(r) for n, r in residuals_by_bucket(reducer).items()}
+        for bucket, positions, _ in reducer.buckets:
+            (p,) = positions  # one source per bucket here
+            expected = budget(bucket.numel, config.density_at(step))
+            if bucket.kind == "dense":
+                expected = bucket.numel
+            assert int(tf.math.count_nonzero(got[p])) == expected, (step, bucket.name)
+        stats = reducer.stats()
+        assert stats.selected == sum(
+            budget(b.numel, config.density_at(step)) if b.kind == "sparse" else b.numel
+            for b, _, _ in reducer.buckets
+        )
+        assert stats.dense_buckets == (4 if step < 2 else 1)
+        before = assert_mass_kept(reducer, before, grads, got, f"{name}.m.{step}")
+        assert_identical(got, f"{name}.{step}")
+        if graph and step == 0:
+            traces = fused.experimental_get_tracing_count()
+    if graph:
+        assert fused.experimental_get_tracing_count() == traces
+
+
+def keras_fusion_model():
+    keras.utils.set_random_seed(11)  # identical initial weights on every rank
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(96, activation="tanh"),
+            keras.layers.Dense(64, activation="tanh"),
+            keras.layers.Dense(48),
+        ]
+    )
+
+
+def test_keras_fused_warmup_follows_the_trajectory_of_separate_allreduces():
+    """model.fit with momentum correction (the velocity rides through the fused step):
+    fused and separate warm-up allreduces give the same parameters and velocities,
+    bit for bit at 2 ranks (a + b in any layout), to rounding at 3 and 4."""
+    models, opts = [], []
+    for fusion in (None, 0):
+        model = keras_fusion_model()
+        opt = hvds_keras.DistributedOptimizer(
+            keras.optimizers.SGD(0.05, momentum=0.9),
+            density=0.05,
+            fusion_threshold_bytes=FUSION_BYTES,
+            warmup_steps=FUSION_WARMUP,
+            dense_fusion_bytes=fusion,
+        )
+        model.compile(optimizer=opt, loss="mse")
+        rng = np.random.default_rng(3 + hvd.rank())
+        x = rng.standard_normal((16 * (FUSION_WARMUP + 2), 64)).astype(np.float32)
+        y = rng.standard_normal((16 * (FUSION_WARMUP + 2), 48)).astype(np.float32)
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        models.append(model)
+        opts.append(opt)
+    fused, alone = opts
+    kernels = ["sparse0.float32", "sparse1.float32", "sparse2.float32"]
+    assert fused._gradient_reducer.fused_dense_runs == [kernels]
+    assert alone._gradient_reducer.fused_dense_runs == []
+    assert fused.momentum_correction and fused.stats().sparse_buckets == 3
+    tolerance = dict(rtol=0, atol=0) if hvd.size() == 2 else dict(rtol=1e-6, atol=1e-7)
+    for a, b in zip(models[0].trainable_variables, models[1].trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), **tolerance)
+    for name, u in alone.velocity_variables().items():
+        np.testing.assert_allclose(fused.velocity_variables()[name].numpy(), u.numpy(), **tolerance)
+    assert_identical(models[0].trainable_variables, "kfuse")
 
 
 def make_model(seed=3):

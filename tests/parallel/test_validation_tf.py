@@ -117,6 +117,15 @@ def test_keras_bad_op_on_one_rank_only():
     expect_error_everywhere(lambda: opt.build(dense_model(8).trainable_variables), "op=", "op")
 
 
+def test_keras_refuses_by_name_options_tf_does_not_act_on():
+    opt = sgd(scheduler="auto")  # no error before the build
+    expect_error_everywhere(
+        lambda: opt.build(dense_model(8).trainable_variables),
+        "scheduler='auto' does not apply to the Keras optimizer",
+        "k_scheduler",
+    )
+
+
 def test_keras_empty_variable_list():
     expect_error_everywhere(lambda: sgd().build([]), "no variables", "empty")
 
@@ -182,6 +191,15 @@ def test_tape_density_out_of_range_on_one_rank_only():
     density = 1.5 if hvd.rank() == LAST else 0.01
     expect_error_everywhere(
         lambda: tape_gradient(sources, "v_density", density=density), "density", "tape_density"
+    )
+
+
+def test_tape_refuses_by_name_options_tf_does_not_act_on():
+    sources = [tf.Variable(tf.ones([5]))]
+    expect_error_everywhere(
+        lambda: tape_gradient(sources, "v_overlap", overlap_allgather=True),
+        "overlap_allgather=True does not apply to DistributedGradientTape",
+        "tape_overlap",
     )
 
 

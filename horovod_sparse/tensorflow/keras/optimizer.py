@@ -314,6 +314,9 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     ``min_sparse_numel`` (smaller variables go through a dense allreduce),
     ``selection``, ``partition``, ``fusion_threshold_bytes`` (bucket capacity; ``None``
     follows ``HOROVOD_FUSION_THRESHOLD``), ``reestimate_steps``, ``repartition_steps``,
+    ``warmup_steps`` and ``density_decay_steps`` (the density schedule, followed inside
+    one trace), ``dense_fusion_bytes`` (on a step where adjacent sparse buckets are all
+    dense, they share one allreduce of up to that many bytes; 0: one each),
     ``error_feedback`` (``False`` zeroes the residual at the end of every step: ablation
     only, it loses gradient mass) and ``momentum_correction`` (default ``None``: on for
     ``keras.optimizers.SGD`` with momentum when ``density < 1``), which runs the
