@@ -8,7 +8,7 @@ from typing import Any, Callable, Generic, NamedTuple, TypeVar
 from horovod_sparse.common.config import SparseConfig, make_config, reduction_scales
 from horovod_sparse.common.pipeline import BucketReducer
 
-__all__ = ["NamedReducers", "PerTensorCall", "per_tensor_call"]
+__all__ = ["NamedReducers", "PerTensorCall", "PerTensorOptions", "per_tensor_call"]
 
 State = TypeVar("State")
 
@@ -79,23 +79,45 @@ class PerTensorCall(NamedTuple):
     postscale: float
 
 
+class PerTensorOptions(NamedTuple):
+    """A functional call's validated name and options (:func:`per_tensor_call`), before
+    its reduction is known."""
+
+    name: str
+    config: SparseConfig
+
+    def scaled(
+        self, op: str, process_set: Any, prescale_factor: float, postscale_factor: float
+    ) -> PerTensorCall:
+        """The whole call, once this rank is known to be in ``process_set`` and ``op``
+        is Average or Sum.
+
+        Raises:
+            ValueError: a rank outside the process set, or another op.
+        """
+        if not process_set.included():
+            raise ValueError(
+                f"sparse_allreduce({self.name!r}): this rank is not in the process set"
+            )
+        prescale, postscale = reduction_scales(
+            op, process_set.size(), prescale_factor, postscale_factor
+        )
+        return PerTensorCall(self.name, self.config, prescale, postscale)
+
+
 def per_tensor_call(
     name: str | None,
     density: float,
     options: dict[str, Any],
     supported: frozenset[str],
     where: str,
-    op: str,
-    process_set: Any,
-    prescale_factor: float,
-    postscale_factor: float,
-) -> PerTensorCall:
-    """The checks every framework's ``sparse_allreduce`` makes before any collective.
+) -> PerTensorOptions:
+    """The checks every framework's ``sparse_allreduce`` makes before any collective,
+    on its name and options; :meth:`PerTensorOptions.scaled` checks the rest.
 
     Raises:
-        ValueError: no name (residuals are kept per name), an option out of range or
-            not acted on by ``where``, a rank outside the process set, or an op other
-            than Average and Sum.
+        ValueError: no name (residuals are kept per name), or an option out of range or
+            not acted on by ``where``.
         TypeError: an unknown option.
     """
     if name is None:
@@ -105,9 +127,4 @@ def per_tensor_call(
         )
     config = make_config(dict(options, density=density))
     config.unsupported(where, supported)
-    if not process_set.included():
-        raise ValueError(f"sparse_allreduce({name!r}): this rank is not in the process set")
-    prescale, postscale = reduction_scales(
-        op, process_set.size(), prescale_factor, postscale_factor
-    )
-    return PerTensorCall(name, config, prescale, postscale)
+    return PerTensorOptions(name, config)

@@ -56,11 +56,12 @@ def sparse_allreduce(
     tensor: tf.Tensor,
     density: float = 0.01,
     name: str | None = None,
+    *,
+    compression: Any = hvd.Compression.none,
     op: Any = hvd.Average,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: Any = hvd.global_process_set,
-    compression: Any = hvd.Compression.none,
     **options: Any,
 ) -> tf.Tensor:
     """Sparse allreduce of ``tensor`` with error feedback, eagerly or inside ``tf.function``.
@@ -77,17 +78,11 @@ def sparse_allreduce(
         >>> out = sparse_allreduce(grad, density=0.01, name="w")
         >>> stats("w").bytes_sent
     """
-    name, config, prescale, postscale = per_tensor_call(
-        name,
-        density,
-        options,
-        PER_TENSOR_OPTIONS & TF_OPTIONS,
-        "sparse_allreduce under TensorFlow",
-        op_name(op),
-        process_set,
-        prescale_factor,
-        postscale_factor,
-    )
+    # Horovod's keywords, in the order of horovod.tensorflow.allreduce.
+    scales = (prescale_factor, postscale_factor)
+    where = "sparse_allreduce under TensorFlow"
+    call = per_tensor_call(name, density, options, PER_TENSOR_OPTIONS & TF_OPTIONS, where)
+    name, config, prescale, postscale = call.scaled(op_name(op), process_set, *scales)
     if isinstance(tensor, tf.IndexedSlices):
         raise TypeError(
             f"sparse_allreduce({name!r}) takes a dense tensor; use tf.convert_to_tensor"

@@ -89,18 +89,10 @@ def sparse_allreduce_async(
         >>> handle = sparse_allreduce_async(grad, density=0.01, name="w")
         >>> reduced = synchronize(handle)
     """
-    call = per_tensor_call(
-        name,
-        density,
-        options,
-        PER_TENSOR_OPTIONS,
-        "sparse_allreduce",
-        op_name(op),
-        process_set,
-        prescale_factor,
-        postscale_factor,
+    call = per_tensor_call(name, density, options, PER_TENSOR_OPTIONS, "sparse_allreduce")
+    name, config, prescale, postscale = call.scaled(
+        op_name(op), process_set, prescale_factor, postscale_factor
     )
-    name, config, prescale, postscale = call
     _check_tensor(tensor, name)
     flat = tensor.detach().reshape(-1)
 
