@@ -144,7 +144,17 @@ class HorovodPrimitives(HostCounts):
 
 
 class Backend(Protocol):
-    """Primitives used by the stages, grouped as in the adapters."""
+    """Primitives used by the stages, grouped as in the adapters.
+
+    In place: a kernel whose name ends in ``_``, and ``assign``, ``scale``,
+    ``zero_at``, ``add_at`` and ``allreduce_sum_inplace_async``, may write into its
+    first argument; every kernel returns its result, and the common code always uses
+    the return value, so a backend that cannot write in place (TF) returns a new tensor
+    instead. :attr:`in_place` says which kind this backend is, for the one path that
+    needs the write itself (dense-step fusion reduces the adapter's arena slice).
+    """
+
+    in_place: bool  # whether the kernels above write into their first argument
 
     # ---- process set
     def rank(self, process_set: Any) -> int: ...

@@ -97,6 +97,8 @@ class SharedAllreduce:
     def wait(self, ops: Backend) -> float:
         if self.waited_s is None:
             began = ops.clock()
+            # In place (``prepare_fused`` asserts an in-place backend): the members'
+            # buffers, views of the reduced slice, hold the sum once it is waited for.
             ops.wait(self.handle)
             self.waited_s = ops.clock() - began
         return self.waited_s

@@ -322,13 +322,18 @@ class BucketReducer:
         Sends: its share of the run's ring allreduce (n values). Keeps: nothing.
         """
         ops = self.ops
-        if self.dense_in_buffer:
-            if prescale != 1.0:
-                ops.scale(buffer, prescale)  # in place: the buffer is the adapter's slice
-        else:
-            ops.assign(buffer, self.residual)
+        # The run's allreduce reduces the arena slice that ``buffer`` is a view of, so
+        # this rank's contribution must be written there: only an in-place backend
+        # fuses this way (the TF adapter concatenates its runs instead).
+        assert ops.in_place, "dense-step fusion writes into the adapter's arena"
+        written = buffer
+        if not self.dense_in_buffer:
+            written = ops.assign(buffer, self.residual)
             self.residual = ops.zero_(self.residual)
             self.residual_clear = True
+        elif prescale != 1.0:
+            written = ops.scale(buffer, prescale)
+        assert written is buffer, "an in-place kernel returns the tensor it wrote"
         self.k = self.numel
         self.step += 1
         self._dense_from_residual = False

@@ -88,6 +88,7 @@ class TFBackend(HorovodPrimitives):
     """Stateless; one shared instance serves every bucket."""
 
     no_compression = hvd.Compression.none
+    in_place = False  # tensors are immutable: every kernel returns a new one
 
     # ---- state and control flow: variables and tf.cond, so a traced step keeps working
     def cell(self, initial: Any, like: tf.Tensor | None = None) -> VariableCell:

@@ -41,6 +41,7 @@ class TorchBackend(HorovodPrimitives):
     """Stateless; one shared instance serves every bucket."""
 
     no_compression = hvd.Compression.none
+    in_place = True  # torch's kernels write into their first argument
 
     # ---- state and control flow: a step runs its Python every time, so host values do
     def cell(self, initial: Any, like: torch.Tensor | None = None) -> HostCell:
