@@ -308,6 +308,12 @@ class Backend(Protocol):
         ``(prefix | d << shift, remaining - count(digits > d))``."""
 
     def mask_at_least(self, keys: Tensor, threshold: Tensor) -> Tensor: ...
+    def larger_key(self, key: Tensor, other: Tensor) -> Tensor:
+        """The larger of two magnitude-key scalars."""
+
+    def scale_key(self, key: Tensor, factor: float) -> Tensor:
+        """The key of ``factor`` times the magnitude ``key`` stands for."""
+
     def split_by_mask(self, mask: Tensor, *tensors: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """``([t[mask] ...], [t[~mask] ...])``."""
 

@@ -24,6 +24,7 @@ __all__ = [
 DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
 
 SELECTION_METHODS = ("exact", "threshold")
+GLOBAL_SELECTIONS = ("exact", "reuse")
 PARTITION_METHODS = ("uniform", "balanced")
 SCHEDULERS = ("fixed", "auto")
 OVERLAP_SETTINGS = (False, True, "auto")
@@ -90,6 +91,12 @@ class SparseConfig:
         scheduler_steps: steps between the automatic scheduler's decisions.
         trace: write a Chrome trace of the exchange to this path (``{rank}`` is
             replaced; PyTorch).
+        global_selection: how owners find the global top-k threshold: ``"exact"`` (a
+            radix select, 4 histogram allreduces every sparse step) or ``"reuse"`` (the
+            threshold every rank derives alike from the last all-gather, refreshed
+            exactly every ``refresh_steps`` steps and when the gathered count leaves
+            the band; no collective on the other steps; PyTorch).
+        refresh_steps: steps between exact refreshes of a reused global threshold.
     """
 
     density: float = 0.01
@@ -108,15 +115,18 @@ class SparseConfig:
     scheduler: str = "fixed"
     scheduler_steps: int = 100
     trace: str | None = None
+    global_selection: str = "exact"
+    refresh_steps: int = 32
 
     def __post_init__(self) -> None:
         _check_density(self.density)
         _check_choice("selection", self.selection, SELECTION_METHODS)
         _check_choice("partition", self.partition, PARTITION_METHODS)
+        _check_choice("global_selection", self.global_selection, GLOBAL_SELECTIONS)
         _check_choice("scheduler", self.scheduler, SCHEDULERS)
         _check_choice("overlap_allgather", self.overlap_allgather, OVERLAP_SETTINGS)
         _check_choice("momentum_correction", self.momentum_correction, (None, True, False))
-        for knob in ("reestimate_steps", "repartition_steps", "scheduler_steps"):
+        for knob in ("reestimate_steps", "repartition_steps", "scheduler_steps", "refresh_steps"):
             _check_at_least(knob, getattr(self, knob), 1)
         for knob in ("min_sparse_numel", "warmup_steps", "density_decay_steps"):
             _check_at_least(knob, getattr(self, knob), 0)
@@ -217,6 +227,8 @@ PER_TENSOR_OPTIONS = frozenset(
         "warmup_steps",
         "density_decay_steps",
         "error_feedback",
+        "global_selection",
+        "refresh_steps",
     )
 )
 

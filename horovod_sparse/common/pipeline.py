@@ -24,7 +24,11 @@ from horovod_sparse.common.exchange import (
     spar_reduce_scatter_start,
 )
 from horovod_sparse.common.fusion import FusedPart
-from horovod_sparse.common.global_selection import global_threshold_key, histogram_bytes
+from horovod_sparse.common.global_selection import (
+    ReusedGlobalThreshold,
+    global_threshold_key,
+    histogram_bytes,
+)
 from horovod_sparse.common.partition import make_partitioner
 from horovod_sparse.common.reduction import owner_reduce
 from horovod_sparse.common.selection import make_selection
@@ -112,6 +116,12 @@ class BucketReducer:
         self.velocity: Tensor | None = None
         # Set by an automatic scheduler: exchange this bucket densely while True.
         self.force_dense = False
+        # The global threshold derived from the last all-gather (global_selection="reuse").
+        self.reused_threshold = (
+            ReusedGlobalThreshold(config.refresh_steps)
+            if config.global_selection == "reuse"
+            else None
+        )
         # Budget of the current step: a host int, or a graph scalar (Backend.sparse_budget).
         self.k: Any = config.budget(numel)
         self._dense_lost: Tensor | None = None  # compression rounding of a dense step
@@ -380,10 +390,19 @@ class BucketReducer:
             self.residual,
             decode=lambda wire: ops.decompress(wire, inflight.compression_ctx),
         )
-        # Step 6b: global selection by the exact global k-th magnitude.
+        # Step 6b: global selection by the global k-th magnitude: exact (a radix select),
+        # or reused from the last all-gather, at most k rows per owner.
         keys = ops.magnitude_keys(sums)
         reduced = ops.clock(keys)
-        threshold = global_threshold_key(ops, keys, self.k, self.name, self.process_set)
+        reuse = self.reused_threshold
+        if reuse is None:
+            threshold = global_threshold_key(ops, keys, self.k, self.name, self.process_set)
+            record.refreshed = 1
+        else:
+            threshold = reuse.threshold(ops, keys, self.k, self.name, self.process_set)
+            if not reuse.refreshed:
+                threshold = reuse.capped(ops, keys, threshold, self.k)
+            record.refreshed = int(reuse.refreshed)
         thresholded = ops.clock()
         kept_mask = ops.mask_at_least(keys, threshold)
         (kept_idx, kept_val), (drop_idx, drop_val) = ops.split_by_mask(
@@ -445,6 +464,9 @@ class BucketReducer:
             return result
         indices, wire_values = ops.unpack_rows(rows, inflight.wire_like)
         values = ops.decompress(wire_values, inflight.compression_ctx)
+        if self.reused_threshold is not None:
+            # Every rank gathered the same rows: each derives the next threshold alike.
+            self.reused_threshold.observe(ops, values, self.k)
         if postscale != 1.0:
             values = ops.scale(values, postscale)  # scale the k kept values, not all n
         result = ops.scatter_into(self.numel, like, indices, values, out)
@@ -475,7 +497,9 @@ class BucketReducer:
                 int(record.next_rows),
                 record.gather_row_bytes,
             )
+            refreshed = int(record.refreshed)
             hist_sent, hist_received = histogram_bytes(self.world_size)
+            hist_sent, hist_received = hist_sent * refreshed, hist_received * refreshed
             sent += int(record.rows_sent) * record.row_bytes + ag_sent + hist_sent
             received += int(record.rows_received) * record.row_bytes + ag_received + hist_received
         return StepStats(
@@ -489,6 +513,7 @@ class BucketReducer:
             seconds_exchange=float(record.seconds_exchange),
             dense_buckets=dense,
             sparse_buckets=1 - dense,
+            global_refreshes=0 if dense else int(record.refreshed),
         )
 
     def last_stats(self) -> StepStats:
@@ -516,6 +541,8 @@ class BucketReducer:
         """
         self.step = int(state["step"])
         self.selection.load_state_dict(state["selection"])
+        if self.reused_threshold is not None:
+            self.reused_threshold.restart()
         if int(state["world_size"]) == self.world_size:
             self.boundaries = [int(b) for b in state["boundaries"]]
         if residual:

@@ -62,6 +62,8 @@ class StepStats:
         dense_buckets: buckets exchanged densely this step (small-tensor buckets,
             warm-up, or the automatic scheduler's choice).
         sparse_buckets: buckets exchanged sparsely this step.
+        global_refreshes: sparse buckets whose global threshold came from the radix
+            select this step (every sparse bucket with ``global_selection="exact"``).
     """
 
     bytes_sent: int = 0
@@ -74,6 +76,7 @@ class StepStats:
     seconds_exchange: float = 0.0
     dense_buckets: int = 0
     sparse_buckets: int = 0
+    global_refreshes: int = 0
 
     @property
     def compression_ratio(self) -> float:

@@ -48,6 +48,7 @@ class StepRecord:
     seconds_select: Any = 0.0  # local and global selection
     seconds_exchange: Any = 0.0  # issuing and waiting for collectives
     extra_bytes: Any = 0  # one way: the partition histogram, or a dense step's allreduce
+    refreshed: Any = 0  # 1 when the global threshold came from the radix select
     seconds_local: Any = 0.0  # local work only, no waits: the scheduler's cost model
     send_splits: Any = None  # alltoall rows per destination rank
     recv_splits: Any = None  # alltoall rows per source rank
@@ -65,6 +66,7 @@ class StepRecord:
         "seconds_select",
         "seconds_exchange",
         "extra_bytes",
+        "refreshed",
     )
 
     def numbers(self) -> list[Any]:

@@ -330,6 +330,14 @@ class TFBackend(HorovodPrimitives):
     def mask_at_least(self, keys: tf.Tensor, threshold: tf.Tensor) -> tf.Tensor:
         return keys >= threshold
 
+    def larger_key(self, key: tf.Tensor, other: tf.Tensor) -> tf.Tensor:
+        return tf.maximum(key, tf.cast(other, key.dtype))
+
+    def scale_key(self, key: tf.Tensor, factor: Any) -> tf.Tensor:
+        # Keys are the bits of an fp32 magnitude: scale the float, take its bits again.
+        magnitude = tf.bitcast(key, tf.float32) * tf.cast(factor, tf.float32)
+        return tf.bitcast(magnitude, tf.int32)
+
     def split_by_mask(
         self, mask: tf.Tensor, *tensors: tf.Tensor
     ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:

@@ -255,6 +255,13 @@ class TorchBackend(HorovodPrimitives):
     def mask_at_least(self, keys: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
         return keys >= threshold
 
+    def larger_key(self, key: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(key, other)
+
+    def scale_key(self, key: torch.Tensor, factor: float) -> torch.Tensor:
+        # Keys are the bits of an fp32 magnitude: scale the float, take its bits again.
+        return (key.view(torch.float32) * factor).view(torch.int32)
+
     def split_by_mask(
         self, mask: torch.Tensor, *tensors: torch.Tensor
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -1,0 +1,128 @@
+"""Global threshold reuse: one alltoall and one allgather per sparse step, no mass lost."""
+
+import horovod.torch as hvd
+import pytest
+import torch
+
+import horovod_sparse.torch as hvds
+import horovod_sparse.torch.functions as functions
+from horovod_sparse.common.config import budget
+from tests.parallel.test_options_torch import skewed_grad
+
+hvd.init()
+
+COLLECTIVES = (
+    "alltoall_async",
+    "allgather_async",
+    "allreduce_sum_async",
+    "allreduce_sum_inplace_async",
+)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts of every Horovod collective the stages issue, by kind."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for kind in COLLECTIVES:
+        original = getattr(functions.BACKEND, kind)
+
+        def counting(*args, _kind=kind, _original=original, **kwargs):
+            counts[_kind] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(functions.BACKEND, kind, counting)
+    return counts
+
+
+def agree(values) -> bool:
+    gathered = hvd.allgather_object(values, name=f"agree.{len(str(values))}")
+    return all(g == gathered[0] for g in gathered)
+
+
+@pytest.mark.parametrize("partition", ["uniform", "balanced"])
+def test_a_reused_step_is_one_alltoall_and_one_allgather(counted, partition):
+    numel, k, size = 50_000, budget(50_000, 0.01), hvd.size()
+    hvds.reset_residuals()
+    before = torch.zeros(numel)
+    refreshes, per_step = [], []
+    for step in range(24):
+        grad = skewed_grad(step, numel)
+        start = dict(counted)
+        out = hvds.sparse_allreduce(
+            grad,
+            density=0.01,
+            name=f"reuse.{partition}",
+            op=hvd.Sum,
+            partition=partition,
+            repartition_steps=10**6,  # the first step's cut only: counted separately
+            global_selection="reuse",
+            refresh_steps=8,
+        )
+        issued = {kind: counted[kind] - start[kind] for kind in COLLECTIVES}
+        stats = hvds.stats(f"reuse.{partition}")
+        refreshes.append(stats.global_refreshes)
+        per_step.append(issued)
+        after = hvds.residual(f"reuse.{partition}", hvd.global_process_set)
+        # Invariant: no mass is lost, reused threshold or not.
+        lhs = hvd.allreduce(after.double(), op=hvd.Sum, name=f"reuse.l.{partition}.{step}")
+        lhs += out.double()
+        rhs = hvd.allreduce(
+            (before + grad).double(), op=hvd.Sum, name=f"reuse.r.{partition}.{step}"
+        )
+        torch.testing.assert_close(lhs, rhs, rtol=0, atol=1e-4)
+        # Every rank holds the same result; at most k rows per owner are kept.
+        everyone = hvd.allgather(out.view(1, -1), name=f"reuse.o.{partition}.{step}")
+        for r in range(size):
+            assert torch.equal(everyone[r], out)
+        assert 0 < int((out != 0).sum()) <= size * k
+        before = after.clone()
+    # The first step, and at least one step in every 8, refresh exactly.
+    assert refreshes[0] == 1
+    for start in range(0, 24, 8):
+        assert 1 in refreshes[start : start + 8]
+    assert refreshes.count(0) >= 8, refreshes  # most steps reuse
+    assert agree(refreshes)
+    for step, (refreshed, issued) in enumerate(zip(refreshes, per_step)):
+        # The balanced cut's histogram allreduce runs at the first step only.
+        partition_allreduces = int(partition == "balanced" and step == 0)
+        assert issued["alltoall_async"] == 1 and issued["allgather_async"] == 1, issued
+        assert issued["allreduce_sum_async"] == 4 * refreshed + partition_allreduces, issued
+        assert issued["allreduce_sum_inplace_async"] == 0, issued
+
+
+def test_reuse_in_the_optimizer_keeps_the_invariant_and_identical_ranks():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 100)  # one sparse bucket of 20000, one dense bucket
+    opt = hvds.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model.named_parameters(),
+        density=0.02,
+        global_selection="reuse",
+        refresh_steps=5,
+    )
+    (bucket,) = opt.residuals()
+    before = torch.zeros(20_000)
+    size, k, refreshes = hvd.size(), budget(20_000, 0.02), []
+    for step in range(14):
+        grad = skewed_grad(step, 20_000).view(100, 200)
+        model.weight.grad = grad.clone()
+        model.bias.grad = torch.ones(100)
+        opt.synchronize()
+        after = opt.residuals()[bucket]
+        lhs = hvd.allreduce(after.double(), op=hvd.Sum, name=f"opt.reuse.l.{step}")
+        lhs += size * model.weight.grad.reshape(-1).double()
+        rhs = hvd.allreduce(
+            (before + grad.reshape(-1)).double(), op=hvd.Sum, name=f"opt.reuse.r.{step}"
+        )
+        torch.testing.assert_close(lhs, rhs, rtol=0, atol=1e-4)
+        assert 0 < int((model.weight.grad != 0).sum()) <= size * k
+        refreshes.append(opt.stats().global_refreshes)
+        before = after.clone()
+        with opt.skip_synchronize():
+            opt.step()
+    assert refreshes[0] == 1 and 0 in refreshes
+    assert agree(refreshes)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = hvd.allgather(flat.view(1, -1), name="opt.reuse.params")
+    for r in range(size):
+        assert torch.equal(everyone[r], flat)

@@ -1,0 +1,57 @@
+"""The reused global threshold's rules, single process, against direct computation."""
+
+import numpy as np
+
+from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.common.global_selection import ReusedGlobalThreshold
+from horovod_sparse.common.pipeline import BucketReducer
+from tests.unit.test_backends import OneRank, _torch_backend
+
+
+def key_of(value: float) -> int:
+    return int(np.array([abs(value)], np.float32).view(np.int32)[0])
+
+
+def test_next_threshold_is_the_kth_gathered_magnitude_or_scaled_down():
+    ops, to, _ = _torch_backend()
+    reuse = ReusedGlobalThreshold(refresh_steps=4)
+    keys = ops.magnitude_keys(to(np.array([5.0, -4.0, 3.0, 2.0, 1.0], np.float32)))
+    # Due at first: the radix select over one rank finds the exact 2nd largest, 4.0.
+    assert int(reuse.threshold(ops, keys, 2, "t", OneRank())) == key_of(4.0)
+    assert reuse.refreshed
+    # Gathered 3 >= k = 2 rows: the next key is the 2nd largest gathered magnitude.
+    reuse.observe(ops, to(np.array([-7.0, 6.0, 0.5], np.float32)), 2)
+    assert int(reuse.key) == key_of(6.0)
+    assert reuse.due  # 3 rows is above the band's 1.25 k = 2.5
+    reuse.due = False
+    # Gathered 1 < k = 2: the key used, scaled by 1/2.
+    reuse.observe(ops, to(np.array([6.5], np.float32)), 2)
+    assert int(reuse.key) == key_of(3.0)
+    assert reuse.due  # 1 row is below the band's 0.8 k
+    # Within the band, the next step reuses until refresh_steps steps have passed.
+    for age in range(3, 6):  # steps since the refresh, this one included
+        reuse.due = False
+        reuse.observe(ops, to(np.array([9.0, 8.0], np.float32)), 2)
+        assert reuse.due == (age >= 4)
+    # A per-owner cap raises the threshold so at most `cap` keys pass.
+    capped = ReusedGlobalThreshold.capped(ops, keys, to(np.array(1, np.int32)), 2)
+    assert int(capped) == key_of(4.0)
+
+
+def test_one_rank_reuse_keeps_residual_plus_result_equal_to_the_accumulator():
+    ops, to, back = _torch_backend()
+    config = SparseConfig(density=0.01, global_selection="reuse", refresh_steps=3)
+    like = to(np.zeros(0, np.float32))
+    reducer = BucketReducer(ops, "b", 4000, like, config, OneRank())
+    rng = np.random.default_rng(0)
+    owed = np.zeros(4000, np.float32)
+    refreshed = []
+    for _ in range(9):
+        grad = rng.standard_normal(4000).astype(np.float32)
+        inflight = reducer.reduce_and_gather(reducer.start(to(grad)))
+        result = back(reducer.finish(inflight, to(np.zeros(4000, np.float32)))).copy()
+        refreshed.append(int(reducer.last_record.refreshed))
+        np.testing.assert_allclose(back(reducer.residual) + result, owed + grad, atol=1e-6)
+        owed = back(reducer.residual).copy()
+        assert 0 < np.count_nonzero(result) <= reducer.k
+    assert refreshed[0] == 1 and 0 in refreshed
