@@ -4,7 +4,11 @@ Launches itself under ``horovodrun -np P --gloo`` for each P, then writes JSON, 
 table and a PNG plot (default under results/allreduce.*).
 
     python benchmarks/allreduce.py [--sizes 1M,4M,16M,64M] [--densities 0.001,0.01,0.1]
-                                   [--ranks 2,4] [--repeats 5]
+                                   [--ranks 2,4] [--repeats 5] [--global-selection exact,reuse]
+
+``--global-selection`` times each sparse density once per way of finding the global
+threshold (the exact radix select, and the threshold reused from the last all-gather),
+in the same job as dense.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1] if text[-1] in "KMG" else text) * scale)
 
 
-def worker(sizes: list[int], densities: list[float], repeats: int, out: str) -> None:
+def worker(
+    sizes: list[int], densities: list[float], globals_: list[str], repeats: int, out: str
+) -> None:
     """Runs on every rank: time dense and sparse allreduce of the same tensors."""
     import horovod.torch as hvd
     import torch
@@ -37,13 +43,16 @@ def worker(sizes: list[int], densities: list[float], repeats: int, out: str) -> 
     torch.set_num_threads(1)
     rows = []
     for numel in sizes:
-        rows += measure_size(numel, densities, repeats)
+        rows += measure_size(numel, densities, globals_, repeats)
     if hvd.rank() == 0:
         Path(out).write_text(json.dumps(rows))
 
 
-def measure_size(numel: int, densities: list[float], repeats: int) -> list[dict]:
-    """Dense, then each density, on one random buffer of ``numel`` floats per rank."""
+def measure_size(
+    numel: int, densities: list[float], globals_: list[str], repeats: int
+) -> list[dict]:
+    """Dense, then each density and global selection, on one random buffer of ``numel``
+    floats per rank."""
     import horovod.torch as hvd
     import torch
 
@@ -72,20 +81,31 @@ def measure_size(numel: int, densities: list[float], repeats: int) -> list[dict]
         {**base, "mode": "dense", "density": 1.0, "times": dense, "bytes_per_rank": sent + received}
     ]
     for density in densities:
-        hvds.reset_residuals()
-        name = f"s.{numel}.{density}"
-        times = timed(lambda i, d=density, n=name: hvds.sparse_allreduce(grad, d, n), name)
-        s = hvds.stats(name)
-        rows.append(
-            {
-                **base,
-                "mode": "sparse",
-                "density": density,
-                "times": times,
-                "bytes_per_rank": s.bytes_sent + s.bytes_received,
-                "seconds_select": s.seconds_select,
-            }
-        )
+        for way in globals_:
+            hvds.reset_residuals()
+            name = f"s.{numel}.{density}.{way}"
+            refreshes: list[int] = []
+
+            def call(
+                i: int, d: float = density, n: str = name, w: str = way, seen: list = refreshes
+            ) -> None:
+                hvds.sparse_allreduce(grad, d, n, global_selection=w)
+                seen.append(hvds.stats(n).global_refreshes)
+
+            times = timed(call, name)
+            s = hvds.stats(name)
+            rows.append(
+                {
+                    **base,
+                    "mode": "sparse",
+                    "global_selection": way,
+                    "density": density,
+                    "times": times,
+                    "bytes_per_rank": s.bytes_sent + s.bytes_received,
+                    "seconds_select": s.seconds_select,
+                    "refreshes": sum(refreshes[1:]),  # over the timed calls
+                }
+            )
     return rows
 
 
@@ -100,6 +120,9 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "P": r["world_size"],
                 "numel": r["numel"],
                 "mode": r["mode"],
+                "global_selection": r.get("global_selection", ""),
+                "refreshes": r.get("refreshes", 0),
+                "calls": len(r["times"]),
                 "density": r["density"],
                 "median_s": median,
                 "min_s": min(r["times"]),
@@ -114,13 +137,16 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def markdown(table: list[dict]) -> str:
     lines = [
-        "| P | floats | mode | density | median s | min s | max s | MB/rank "
-        "| time / dense | bytes / dense |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| P | floats | mode | global | refreshes | density | median s | min s | max s "
+        "| MB/rank | time / dense | bytes / dense |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for t in table:
+        way = t["global_selection"] or "-"
+        refreshed = f"{t['refreshes']}/{t['calls']}" if t["mode"] == "sparse" else "-"
         lines.append(
-            f"| {t['P']} | {t['numel'] / (1 << 20):.0f}M | {t['mode']} | {t['density']:g} | "
+            f"| {t['P']} | {t['numel'] / (1 << 20):.0f}M | {t['mode']} | {way} | {refreshed} | "
+            f"{t['density']:g} | "
             f"{t['median_s']:.3f} | {t['min_s']:.3f} | {t['max_s']:.3f} | "
             f"{t['bytes_per_rank'] / 1e6:.2f} | {t['time_vs_dense']:.2f} | "
             f"{t['bytes_vs_dense']:.4f} |"
@@ -137,13 +163,14 @@ def plot(table: list[dict], path: Path) -> None:
     ranks = sorted({t["P"] for t in table})
     fig, axes = plt.subplots(1, len(ranks), figsize=(6 * len(ranks), 4), squeeze=False)
     for ax, p in zip(axes[0], ranks):
-        for density in sorted({t["density"] for t in table if t["P"] == p}):
+        series = sorted({(t["density"], t["global_selection"]) for t in table if t["P"] == p})
+        for density, way in series:
             pts = sorted(
                 (t["numel"], t["median_s"])
                 for t in table
-                if t["P"] == p and t["density"] == density
+                if t["P"] == p and t["density"] == density and t["global_selection"] == way
             )
-            label = "dense hvd.allreduce" if density == 1.0 else f"sparse d={density:g}"
+            label = "dense hvd.allreduce" if density == 1.0 else f"sparse d={density:g} {way}"
             ax.plot([n / (1 << 20) for n, _ in pts], [s for _, s in pts], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -161,13 +188,15 @@ def main() -> None:
     parser.add_argument("--densities", default="0.001,0.01,0.1")
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--global-selection", default="exact,reuse")
     parser.add_argument("--out", default=str(ROOT / "results" / "allreduce"))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     densities = [float(d) for d in args.densities.split(",")]
+    globals_ = args.global_selection.split(",")
     if args.worker:
-        worker(sizes, densities, args.repeats, args.worker)
+        worker(sizes, densities, globals_, args.repeats, args.worker)
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -189,6 +218,8 @@ def main() -> None:
             args.densities,
             "--repeats",
             str(args.repeats),
+            "--global-selection",
+            args.global_selection,
             "--worker",
             str(part),
         ]
