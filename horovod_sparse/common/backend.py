@@ -90,6 +90,11 @@ class HostCounts:
         density decays."""
         return budget(numel, config.sparse_density_at(step))
 
+    def scheduled_budget(self, numel: int, config: SparseConfig, step: Any) -> Any:
+        """k by the density schedule at ``step``, warm-up included (n while warm):
+        ``budget(numel, config.density_at(step))``."""
+        return budget(numel, config.density_at(step))
+
     def scaled_count(
         self,
         count: Any,
@@ -177,6 +182,10 @@ class Backend(Protocol):
         """k of a sparse step at ``step`` (``SparseConfig.sparse_density_at``): a host
         int, or an int64 scalar tensor where the step count is a graph value and the
         density decays."""
+
+    def scheduled_budget(self, numel: int, config: SparseConfig, step: Any) -> Any:
+        """k by the density schedule at ``step``, warm-up included: a host int, or an
+        int64 scalar where the step count is a graph value and the schedule reads it."""
 
     def scaled_count(
         self,

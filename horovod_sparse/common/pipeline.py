@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from horovod_sparse.common.backend import Backend, Tensor, host_at_least
-from horovod_sparse.common.config import SparseConfig, budget
+from horovod_sparse.common.config import SparseConfig
 from horovod_sparse.common.exchange import (
     ReduceScatterSent,
     row_bytes,
@@ -186,9 +186,10 @@ class BucketReducer:
         alone (a residual restored on one rank only), so ranks that agree on the step
         and the schedule agree on it; dense-step fusion plans its collectives from it.
         """
-        return self.force_dense or budget(self.numel, self.config.density_at(self.step)) >= (
-            self.numel
-        )
+        # A host bool, or under TF a graph bool on the step variable (the backend's
+        # budget follows the step there), so a traced step decides it per call.
+        scheduled = self.ops.scheduled_budget(self.numel, self.config, self.step)
+        return self.force_dense or scheduled >= self.numel
 
     def step_kind(self, fused: bool = False) -> StepKind:
         """The kind of the next step: ``fused`` when dense-step fusion put this bucket in

@@ -112,6 +112,9 @@ class TFBackend(HorovodPrimitives):
         return tf.ensure_shape(result, [None])
 
     # ---- budgets: k follows the step variable while the density decays
+    def scheduled_budget(self, numel: int, config: SparseConfig, step: Any) -> Any:
+        return scheduled_budget(numel, config, step)
+
     def sparse_budget(self, numel: int, config: SparseConfig, step: Any) -> Any:
         if not config.density_decay_steps:
             return super().sparse_budget(numel, config, step)  # a host int; step not read

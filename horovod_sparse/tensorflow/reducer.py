@@ -21,7 +21,7 @@ from horovod_sparse.common.fusion import FusionMember, plan_dense_runs
 from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer
 from horovod_sparse.common.stats import StepStats, allreduce_ring_bytes
 from horovod_sparse.common.step import StepRecord
-from horovod_sparse.tensorflow.backend import TFBackend, scheduled_budget
+from horovod_sparse.tensorflow.backend import TFBackend
 
 __all__ = [
     "BACKEND",
@@ -29,7 +29,6 @@ __all__ = [
     "AdamSettings",
     "BucketState",
     "GradientReducer",
-    "dense_step",
     "describe_variables",
     "op_name",
     "run_bucket",
@@ -179,22 +178,14 @@ def _exchange_sparse_bucket(
     postscale: float,
 ) -> tuple[Any, ...]:
     """A sparse bucket's step, of the kind the density schedule gives
-    (:func:`dense_step`): ``(result, counts, residual, velocity or residual)``, all
+    (``BucketReducer.dense_step``): ``(result, counts, residual, velocity or residual)``, all
     tensors, so that a ``tf.cond`` can carry them."""
     residual = tf.convert_to_tensor(state.residual)
 
     def exchange(dense: bool) -> tuple[Any, ...]:
         return _exchange(state, reducer, flat, residual, velocity, dense, prescale, postscale)
 
-    return BACKEND.cond(dense_step(reducer), lambda: exchange(True), lambda: exchange(False))
-
-
-def dense_step(reducer: BucketReducer) -> Any:
-    """Whether the bucket's next step is dense by the density schedule (warm-up,
-    density 1, a decay step whose budget still reaches n): the rule of
-    ``BucketReducer.dense_step`` (TF has no scheduler). A host bool for a flat
-    schedule, else a graph bool on the step variable."""
-    return scheduled_budget(reducer.numel, reducer.config, reducer.step) >= reducer.numel
+    return BACKEND.cond(reducer.dense_step, lambda: exchange(True), lambda: exchange(False))
 
 
 def _store(state: BucketState, outputs: Outputs, updates: list[Any]) -> tf.Tensor:
@@ -454,7 +445,7 @@ class GradientReducer:
 
         # The runs' members share the config and the step count, so they are dense on
         # the same steps; every rank takes the same branch (its collectives must match).
-        flags = [dense_step(self._sparse_reducer(i)) for i in fused]
+        flags = [self._sparse_reducer(i).dense_step for i in fused]
         if all(isinstance(f, (bool, np.bool_)) for f in flags):
             all_dense: Any = all(flags)
         else:
