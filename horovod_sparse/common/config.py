@@ -60,13 +60,17 @@ class SparseConfig:
         density: target fraction of entries exchanged per bucket, in (0, 1].
         min_sparse_numel: tensors with fewer elements go through a dense allreduce
             (a sparse exchange of a bias vector costs more latency than it saves bytes).
-        selection: local selection: ``"threshold"`` (a sampled threshold reused for
-            ``reestimate_steps`` steps, then the top k of the few entries above it) or
+        selection: local selection: ``"threshold"`` (a sampled threshold, estimated
+            every ``reestimate_steps`` steps, then the top k of the few entries above it) or
             ``"exact"`` (``topk`` over the whole bucket).
         partition: owner regions: ``"uniform"`` (equal length) or ``"balanced"`` (equal
             expected rows, from the selected positions, every ``repartition_steps``).
         fusion_threshold_bytes: bucket capacity; ``None`` follows ``HOROVOD_FUSION_THRESHOLD``.
-        reestimate_steps: tau, steps between threshold estimates (sooner on drift).
+        reestimate_steps: tau, steps between threshold estimates (sooner on drift). The
+            default, 1, samples every step: with error feedback the accumulator's scale
+            drifts, and a stale threshold's extra candidates cost more to trim than a
+            fresh sample (16M floats, one thread: median 23.2 ms a step against 30.7 ms
+            with 10).
         repartition_steps: tau', steps between balanced-partition updates.
         warmup_steps: first steps exchanged densely (residuals folded in).
         density_decay_steps: after warm-up, steps over which the density decays
@@ -104,7 +108,7 @@ class SparseConfig:
     selection: str = "threshold"
     partition: str = "uniform"
     fusion_threshold_bytes: int | None = None
-    reestimate_steps: int = 10
+    reestimate_steps: int = 1
     repartition_steps: int = 50
     warmup_steps: int = 0
     density_decay_steps: int = 0

@@ -59,7 +59,7 @@ class ThresholdSelection:
 
     def __init__(
         self,
-        reestimate_steps: int = 10,
+        reestimate_steps: int = 1,
         band: tuple[float, float] = (0.8, 1.25),
         sample_size: int = 1 << 16,
     ) -> None:
@@ -148,7 +148,7 @@ class ThresholdSelection:
             stale.set(bool(state["stale"]))
 
 
-def make_selection(method: str, reestimate_steps: int = 10) -> LocalSelection:
+def make_selection(method: str, reestimate_steps: int = 1) -> LocalSelection:
     """A fresh selection object for the :class:`SparseConfig` ``selection`` name."""
     if method == "exact":
         return ExactSelection()

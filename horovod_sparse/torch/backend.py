@@ -29,6 +29,18 @@ __all__ = ["TorchBackend"]
 _HISTOGRAM_BINS = 256
 
 
+def _nonzero_by_words(mask: torch.Tensor) -> torch.Tensor:
+    """``mask.nonzero()`` for a CPU bool mask whose length is a multiple of 8, ascending.
+
+    Reads the mask as int64 words of 8 flags: only the words holding a set flag are
+    expanded and tested. At density 0.01, one word in 13 is set, so this is about 1.4x
+    faster than ``nonzero`` on the flags (8.2 vs 11.4 ms at 16M, one thread).
+    """
+    words = mask.view(torch.int64).nonzero().view(-1)
+    positions = (words.unsqueeze(1) * 8 + torch.arange(8)).view(-1)
+    return positions[mask.index_select(0, positions)]
+
+
 @dataclass
 class _Pending:
     """A Horovod async handle plus what ``wait`` must do with the result."""
@@ -150,7 +162,9 @@ class TorchBackend(HorovodPrimitives):
         # as it would with dense Horovod. nonzero() syncs: the size is data-dependent.
         # In-place logical ops: two fewer n-sized temporaries (55 ms vs 74 ms at 16M on CPU).
         keep = (values < threshold).logical_and_(values > -threshold).logical_not_()
-        return keep.nonzero().view(-1)
+        if keep.is_cuda or keep.numel() % 8:
+            return keep.nonzero().view(-1)
+        return _nonzero_by_words(keep)
 
     def top_of(self, values: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
         magnitudes = values.index_select(0, candidates).abs()
