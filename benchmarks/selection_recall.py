@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--selection", default="threshold")
+    parser.add_argument("--global-selection", default="reuse")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     hvd.init()
@@ -37,6 +38,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(hvd.rank())
     residual = torch.zeros(numel)
     recalls, candidate_recalls, kept = [], [], []
+    refreshes = 0
     for step in range(args.steps):
         x = torch.randn(64, 64, generator=g)
         y = (x @ teacher).argmax(-1)
@@ -45,8 +47,14 @@ def main() -> None:
         grad = torch.cat([p.grad.reshape(-1) for p in params])
         accumulators = hvd.allgather((residual + grad).view(1, -1), name=f"acc.{step}")
         out = hvds.sparse_allreduce(
-            grad, density=args.density, name="g", op=hvd.Sum, selection=args.selection
+            grad,
+            density=args.density,
+            name="g",
+            op=hvd.Sum,
+            selection=args.selection,
+            global_selection=args.global_selection,
         )
+        refreshes += hvds.stats("g").global_refreshes
         residual = hvds.residual("g").clone()
         chosen = set(out.nonzero().view(-1).tolist())
         ideal = set(accumulators.sum(0).abs().topk(k).indices.tolist())
@@ -65,9 +73,16 @@ def main() -> None:
                 p -= 0.1 * out[offset : offset + p.numel()].view_as(p) / hvd.size()
                 offset += p.numel()
     if hvd.rank() == 0:
+        ordered = sorted(kept)
+
+        def percentile(q: float) -> float:
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
         report = {
             "steps": args.steps,
             "selection": args.selection,
+            "global_selection": args.global_selection,
+            "global_refreshes": refreshes,
             "world_size": hvd.size(),
             "numel": numel,
             "k": k,
@@ -76,6 +91,10 @@ def main() -> None:
             "candidate_recall_mean": sum(candidate_recalls) / len(candidate_recalls),
             "kept_over_k_min": min(kept),
             "kept_over_k_max": max(kept),
+            "kept_over_k_p5": percentile(0.05),
+            "kept_over_k_median": percentile(0.5),
+            "kept_over_k_p95": percentile(0.95),
+            "candidate_recall_min": min(candidate_recalls),
         }
         with open(args.out, "w") as f:
             json.dump(report, f)

@@ -95,11 +95,11 @@ class SparseConfig:
         scheduler_steps: steps between the automatic scheduler's decisions.
         trace: write a Chrome trace of the exchange to this path (``{rank}`` is
             replaced; PyTorch).
-        global_selection: how owners find the global top-k threshold: ``"exact"`` (a
-            radix select, 4 histogram allreduces every sparse step) or ``"reuse"`` (the
+        global_selection: how owners find the global top-k threshold: ``"reuse"`` (the
             threshold every rank derives alike from the last all-gather, refreshed
             exactly every ``refresh_steps`` steps and when the gathered count leaves
-            the band; no collective on the other steps; PyTorch).
+            the band; no collective on the other steps) or ``"exact"`` (a radix
+            select, 4 histogram allreduces every sparse step).
         refresh_steps: steps between exact refreshes of a reused global threshold.
     """
 
@@ -119,7 +119,7 @@ class SparseConfig:
     scheduler: str = "fixed"
     scheduler_steps: int = 100
     trace: str | None = None
-    global_selection: str = "exact"
+    global_selection: str = "reuse"
     refresh_steps: int = 32
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from horovod_sparse.common.backend import Backend, Tensor
+from horovod_sparse.common.backend import Backend, Cell, Tensor
 from horovod_sparse.common.stats import allreduce_ring_bytes
 
 __all__ = [
@@ -79,49 +79,112 @@ class ReusedGlobalThreshold:
     do not keep goes to their residual as on any step.
 
     Sends: nothing on a reuse step; the radix select's 4 histogram allreduces on a
-    refresh. Keeps: the threshold key (a device scalar), the steps since the last
-    refresh and whether the next step refreshes (host values: the decisions are made
-    from the host-known gathered count, so they add no device read).
+    refresh. Keeps, in backend cells (host values and a device scalar under PyTorch,
+    variables under TensorFlow, so a traced step updates them on every call): the
+    threshold key, whether the next step refreshes and the steps since the last
+    refresh. The decisions read only the gathered row count, which the all-gather
+    already brought to the host under PyTorch: no added device read.
     """
 
     def __init__(self, refresh_steps: int, band: tuple[float, float] = (0.8, 1.25)) -> None:
         self.refresh_steps = refresh_steps
         self.band = band
-        self.key: Tensor | None = None  # the threshold key the next step reuses
-        self.due = True  # whether the next sparse step refreshes exactly
-        self.age = 0  # sparse steps since the last refresh
-        self.refreshed = False  # whether the current step refreshed
+        # (key, due, age), made at the first call, when the backend and a key are known.
+        self._cells: tuple[Cell, Cell, Cell] | None = None
+        # Whether the current step refreshed: a host bool, or a graph bool under TF.
+        self.refreshed: Any = True
 
-    def threshold(self, ops: Backend, keys: Tensor, k: int, name: str, process_set: Any) -> Tensor:
-        """This step's threshold key: an exact refresh when due, else the reused one."""
-        self.refreshed = self.due or self.key is None
-        if self.refreshed:
-            self.key = global_threshold_key(ops, keys, k, name, process_set)
-            self.age = 0
-        assert self.key is not None
-        return self.key
+    def _state(self, ops: Backend, keys: Tensor) -> tuple[Cell, Cell, Cell]:
+        if self._cells is None:
+            self._cells = (ops.cell(0, keys), ops.cell(True), ops.cell(0))
+        return self._cells
+
+    @property
+    def key(self) -> Tensor | None:
+        """The threshold key the next step reuses (None before the first step)."""
+        return None if self._cells is None else self._cells[0].get()
+
+    @property
+    def due(self) -> Any:
+        """Whether the next sparse step refreshes exactly."""
+        return True if self._cells is None else self._cells[1].get()
+
+    @due.setter
+    def due(self, value: bool) -> None:
+        assert self._cells is not None, "set after the first step"
+        self._cells[1].set(value)
+
+    def threshold(self, ops: Backend, keys: Tensor, k: Any, name: str, process_set: Any) -> Tensor:
+        """This step's threshold key: an exact refresh when due, else the reused one,
+        raised where this owner would keep more than k rows (:meth:`capped`)."""
+        key, due, age = self._state(ops, keys)
+        self.refreshed = due.get()
+        chosen = ops.cond(
+            self.refreshed,
+            lambda: global_threshold_key(ops, keys, k, name, process_set),
+            lambda: self.capped(ops, keys, key.get(), k),
+        )
+        # A refresh restarts the count of steps since the last one (0 * age: the
+        # count's own type, a host int or an int64 variable).
+        age.set(ops.cond(self.refreshed, lambda: 0 * age.get(), age.get))
+        return chosen
 
     @staticmethod
-    def capped(ops: Backend, keys: Tensor, threshold: Tensor, cap: int) -> Tensor:
+    def capped(ops: Backend, keys: Tensor, threshold: Tensor, cap: Any) -> Tensor:
         """``threshold`` raised, where needed, so that at most about ``cap`` of this
         owner's ``keys`` reach it (ties at the cut all pass)."""
-        if ops.num_rows(keys) <= cap:
-            return threshold
-        return ops.larger_key(threshold, ops.kth_largest(keys, cap))
+        return ops.cond(
+            ops.num_rows(keys) > cap,
+            lambda: ops.larger_key(threshold, ops.kth_largest(keys, cap)),
+            lambda: threshold,
+        )
 
-    def observe(self, ops: Backend, gathered: Tensor, k: int) -> None:
+    def observe(self, ops: Backend, gathered: Tensor, k: Any) -> None:
         """After the all-gather: the next threshold and whether the next step refreshes,
         from this step's gathered values (identical on every rank)."""
-        assert self.key is not None, "observe follows threshold()"
+        assert self._cells is not None, "observe follows threshold()"
+        key, due, age = self._cells
         count = ops.num_rows(gathered)
-        self.age += 1
-        if count >= k:
-            self.key = ops.kth_largest(ops.magnitude_keys(gathered), k)
-        elif count > 0:
-            self.key = ops.scale_key(self.key, count / k)
-        low, high = self.band[0] * k, self.band[1] * k
-        self.due = self.age >= self.refresh_steps or not low <= count <= high
+        steps = age.get() + 1
+        age.set(steps)
+
+        def from_count() -> Tensor:
+            # Fewer rows than k: the threshold was too high by about k / count.
+            return ops.cond(count > 0, lambda: ops.scale_key(key.get(), count / k), key.get)
+
+        key.set(
+            ops.cond(
+                count >= k,
+                lambda: ops.kth_largest(ops.magnitude_keys(gathered), k),
+                from_count,
+            )
+        )
+        low = ops.scaled_count(k, self.band[0], rounding="ceil")
+        high = ops.scaled_count(k, self.band[1], rounding="floor")
+        due.set((steps >= self.refresh_steps) | (count < low) | (count > high))
 
     def restart(self) -> None:
-        """Refresh at the next sparse step (a restore, a new world size)."""
-        self.due = True
+        """Refresh at the next sparse step (a new world size)."""
+        if self._cells is not None:
+            self._cells[1].set(True)
+
+    def state_dict(self, ops: Backend) -> dict[str, Any]:
+        """What a checkpoint needs to continue with the same thresholds (host numbers:
+        the key is read from the device, once per checkpoint)."""
+        if self._cells is None:
+            return {"key": None, "due": True, "age": 0}
+        key, due, age = (cell.get() for cell in self._cells)
+        return {"key": int(ops.to_host_number(key)), "due": bool(due), "age": int(age)}
+
+    def load_state_dict(self, ops: Backend, state: dict[str, Any], like: Tensor) -> None:
+        """Restore :meth:`state_dict`; ``like``: an int32 tensor on the keys' device."""
+        if state["key"] is None:
+            self.restart()
+            return
+        key = ops.cell(int(state["key"]), like)
+        if self._cells is None:
+            self._cells = (key, ops.cell(True), ops.cell(0))
+        else:
+            self._cells[0].set(key.get())
+        self._cells[1].set(bool(state["due"]))
+        self._cells[2].set(int(state["age"]))

@@ -243,7 +243,7 @@ class BucketReducer:
         # is a graph value (TF), a graph scalar, below n since a tf.cond on the same
         # schedule takes the dense kind whenever the budget reaches n.
         self.k = self.numel if dense else ops.sparse_budget(self.numel, self.config, self.step)
-        step, self.step = self.step, self.step + 1
+        self.step = self.step + 1
         # Step 2: error feedback; the residual buffer becomes the accumulator in place
         # (already done tensor by tensor through accumulate() when grad is None).
         if grad is not None:
@@ -263,17 +263,14 @@ class BucketReducer:
             # Lossy compression: the rounding stays here instead of vanishing.
             self.residual = ops.add_at(self.residual, indices, lost)
         selected = ops.clock(wire)
-        # Step 4: partition (a balanced one may move the boundaries, on every rank alike).
-        boundaries, partition_bytes = self.partitioner.update(
-            ops, indices, self.boundaries, self.numel, step, self.name, self.process_set
-        )
-        self.boundaries = boundaries
+        # Step 4: partition, the boundaries every rank holds alike (a balanced partition
+        # moves them after an all-gather: see finish()).
+        boundaries = self.boundaries
         # Step 5: Spar-Reduce-Scatter.
         sent = spar_reduce_scatter_start(
             ops, indices, wire, boundaries, self.name, self.process_set
         )
         self.last_record = StepRecord(
-            extra_bytes=partition_bytes,
             seconds_select=selected - began,
             seconds_local=selected - began,
             seconds_exchange=ops.clock() - selected,
@@ -401,9 +398,7 @@ class BucketReducer:
             record.refreshed = 1
         else:
             threshold = reuse.threshold(ops, keys, self.k, self.name, self.process_set)
-            if not reuse.refreshed:
-                threshold = reuse.capped(ops, keys, threshold, self.k)
-            record.refreshed = int(reuse.refreshed)
+            record.refreshed = reuse.refreshed
         thresholded = ops.clock()
         kept_mask = ops.mask_at_least(keys, threshold)
         (kept_idx, kept_val), (drop_idx, drop_val) = ops.split_by_mask(
@@ -477,6 +472,10 @@ class BucketReducer:
         record.next_rows = ops.count_in_range(
             indices, self.boundaries[nxt], self.boundaries[nxt + 1]
         )
+        # Every rank gathered the same indices: a balanced partition re-cuts from them.
+        self.boundaries = self.partitioner.follow_gathered(
+            ops, indices, self.boundaries, self.numel, self.world_size, self.step - 1
+        )
         if not self.config.error_feedback:
             # Ablation only: what was not sent this step is forgotten.
             self.residual = ops.scale(self.residual, 0.0)
@@ -525,26 +524,38 @@ class BucketReducer:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must carry to continue exactly: the residual (this rank's
         mass still owed), the step (the density schedule's position), the selection's
-        state (a reused threshold) and the partition boundaries."""
-        return {
+        state (a reused threshold), the reused global threshold and the partition
+        boundaries."""
+        state = {
             "residual": self.residual,
             "step": self.step,
             "selection": self.selection.state_dict(),
             "boundaries": list(self.boundaries),
             "world_size": self.world_size,
         }
+        if self.reused_threshold is not None:
+            state["global_threshold"] = self.reused_threshold.state_dict(self.ops)
+        return state
 
     def load_state_dict(self, state: dict[str, Any], residual: bool = True) -> None:
         """Restore :meth:`state_dict`; ``residual=False`` keeps the current residual.
 
-        Boundaries are restored only when the world size is the same (otherwise the
-        partitioner starts again from its initial cut).
+        Boundaries and a reused global threshold are restored only when the world size
+        is the same (otherwise the partitioner starts again from its initial cut, and
+        the threshold from a refresh); a checkpoint without the threshold refreshes too.
         """
         self.step = int(state["step"])
         self.selection.load_state_dict(state["selection"])
-        if self.reused_threshold is not None:
-            self.reused_threshold.restart()
-        if int(state["world_size"]) == self.world_size:
+        same_world = int(state["world_size"]) == self.world_size
+        reuse = self.reused_threshold
+        if reuse is not None:
+            saved = state.get("global_threshold")
+            if same_world and saved is not None:
+                like = self.ops.magnitude_keys(self.ops.zeros(1, self.residual))
+                reuse.load_state_dict(self.ops, saved, like)
+            else:
+                reuse.restart()
+        if same_world:
             self.boundaries = [int(b) for b in state["boundaries"]]
         if residual:
             self.residual = self.ops.add_scaled_(

@@ -52,6 +52,8 @@ TF_OPTIONS = frozenset(
         "dense_fusion_bytes",
         "error_feedback",
         "momentum_correction",
+        "global_selection",
+        "refresh_steps",
     )
 )
 

@@ -54,7 +54,7 @@ def test_a_reused_step_is_one_alltoall_and_one_allgather(counted, partition):
             name=f"reuse.{partition}",
             op=hvd.Sum,
             partition=partition,
-            repartition_steps=10**6,  # the first step's cut only: counted separately
+            repartition_steps=4,  # re-cut from the gathered rows: no collective
             global_selection="reuse",
             refresh_steps=8,
         )
@@ -82,27 +82,32 @@ def test_a_reused_step_is_one_alltoall_and_one_allgather(counted, partition):
         assert 1 in refreshes[start : start + 8]
     assert refreshes.count(0) >= 8, refreshes  # most steps reuse
     assert agree(refreshes)
-    for step, (refreshed, issued) in enumerate(zip(refreshes, per_step)):
-        # The balanced cut's histogram allreduce runs at the first step only.
-        partition_allreduces = int(partition == "balanced" and step == 0)
+    for refreshed, issued in zip(refreshes, per_step):
+        # A balanced partition re-cuts from the gathered rows: no collective of its own.
         assert issued["alltoall_async"] == 1 and issued["allgather_async"] == 1, issued
-        assert issued["allreduce_sum_async"] == 4 * refreshed + partition_allreduces, issued
+        assert issued["allreduce_sum_async"] == 4 * refreshed, issued
         assert issued["allreduce_sum_inplace_async"] == 0, issued
 
 
-def test_reuse_in_the_optimizer_keeps_the_invariant_and_identical_ranks():
+@pytest.mark.parametrize("partition", ["uniform", "balanced"])
+@pytest.mark.parametrize("warmup,decay", [(0, 0), (2, 3)], ids=["no_schedule", "schedule"])
+def test_reuse_in_the_optimizer_keeps_the_invariant_and_identical_ranks(partition, warmup, decay):
     torch.manual_seed(0)
     model = torch.nn.Linear(200, 100)  # one sparse bucket of 20000, one dense bucket
     opt = hvds.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05),
         model.named_parameters(),
         density=0.02,
+        partition=partition,
+        repartition_steps=4,
+        warmup_steps=warmup,
+        density_decay_steps=decay,
         global_selection="reuse",
         refresh_steps=5,
     )
     (bucket,) = opt.residuals()
     before = torch.zeros(20_000)
-    size, k, refreshes = hvd.size(), budget(20_000, 0.02), []
+    size, refreshes = hvd.size(), []
     for step in range(14):
         grad = skewed_grad(step, 20_000).view(100, 200)
         model.weight.grad = grad.clone()
@@ -115,12 +120,15 @@ def test_reuse_in_the_optimizer_keeps_the_invariant_and_identical_ranks():
             (before + grad.reshape(-1)).double(), op=hvd.Sum, name=f"opt.reuse.r.{step}"
         )
         torch.testing.assert_close(lhs, rhs, rtol=0, atol=1e-4)
-        assert 0 < int((model.weight.grad != 0).sum()) <= size * k
+        kept = int((model.weight.grad != 0).sum())
+        assert 0 < kept <= size * budget(20_000, opt.sparse_config.density_at(step))
+        (view,) = [v for v in opt.buckets() if v.name == bucket]
+        assert agree(list(view.boundaries))  # re-cut from the gathered rows, alike
         refreshes.append(opt.stats().global_refreshes)
         before = after.clone()
         with opt.skip_synchronize():
             opt.step()
-    assert refreshes[0] == 1 and 0 in refreshes
+    assert refreshes[warmup] == 1 and 0 in refreshes[warmup:]
     assert agree(refreshes)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     everyone = hvd.allgather(flat.view(1, -1), name="opt.reuse.params")

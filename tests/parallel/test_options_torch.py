@@ -38,6 +38,9 @@ def optimizer(model, selection, partition, warmup, decay, density=0.02):
         density_decay_steps=decay,
         reestimate_steps=3,
         repartition_steps=4,
+        # 0.8k <= kept <= 1.01k below is the exact global selection's bound; the reused
+        # threshold's own bounds are tested in test_global_reuse_torch.py.
+        global_selection="exact",
         # The invariant below is on the gradient itself; with momentum correction the
         # exchange carries the velocity (checked in test_momentum_torch.py).
         momentum_correction=False,

@@ -55,7 +55,14 @@ def test_matches_single_process_reference(graph):
     k = budget(numel, density)
 
     def reduce(x):
-        return hvds.sparse_allreduce(x, density=density, name="ref", op=hvd.Sum, selection="exact")
+        return hvds.sparse_allreduce(
+            x,
+            density=density,
+            name="ref",
+            op=hvd.Sum,
+            selection="exact",
+            global_selection="exact",
+        )
 
     fn = tf.function(reduce) if graph else reduce
     before = np.zeros(numel, np.float32)
@@ -89,6 +96,7 @@ def test_residual_invariant_50_steps(selection, partition):
             selection=selection,
             partition=partition,
             repartition_steps=7,
+            global_selection="exact",  # exactly k per step (reuse: its own test)
         )
 
     before = np.zeros(numel, np.float64)
@@ -169,7 +177,13 @@ def test_density_decay_budget_follows_the_schedule(graph, selection):
 
     def reduce(x):
         return hvds.sparse_allreduce(
-            x, name="decay", op=hvd.Sum, selection=selection, reestimate_steps=3, **schedule
+            x,
+            name="decay",
+            op=hvd.Sum,
+            selection=selection,
+            global_selection="exact",  # exactly k per step; the reference selects exactly
+            reestimate_steps=3,
+            **schedule,
         )
 
     fn = tf.function(reduce) if graph else reduce
@@ -216,13 +230,77 @@ def test_density_decay_budget_follows_the_schedule(graph, selection):
     assert all(a > b for a, b in zip(budgets[1:7], budgets[2:7]))
 
 
+COLLECTIVES = ("alltoall_async", "allgather_async", "allreduce_sum_async")
+
+
+@pytest.fixture
+def collective_counts(monkeypatch):
+    """One variable per collective kind, incremented with each one the stages run: it
+    counts what a traced step executes (a refresh is a branch of a tf.cond), not what
+    it traced."""
+    counts = {kind: tf.Variable(0, dtype=tf.int64, trainable=False) for kind in COLLECTIVES}
+    for kind, count in counts.items():
+        real = getattr(reducer_module.BACKEND, kind)
+
+        def counting(tensor, *args, _count=count, _real=real):
+            with tf.control_dependencies([_count.assign_add(1)]):
+                return _real(tf.identity(tensor), *args)
+
+        monkeypatch.setattr(reducer_module.BACKEND, kind, counting)
+    return counts
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_a_reused_step_is_one_alltoall_and_one_allgather(graph, collective_counts):
+    hvds.reset_residuals()
+    numel, size = 30_000, hvd.size()
+    k, name = budget(numel, 0.01), f"reuse.{graph}"
+
+    def reduce(x):
+        return hvds.sparse_allreduce(
+            x, density=0.01, name=name, op=hvd.Sum, global_selection="reuse", refresh_steps=8
+        )
+
+    fn = tf.function(reduce) if graph else reduce
+    before = np.zeros(numel, np.float64)
+    refreshes = []
+    for step in range(24):
+        grad = local_grad(step, numel) * (1.0 + step / 20)
+        start = {kind: int(count.numpy()) for kind, count in collective_counts.items()}
+        out = fn(grad)
+        issued = {kind: int(c.numpy()) - start[kind] for kind, c in collective_counts.items()}
+        refreshed = hvds.stats(name).global_refreshes
+        refreshes.append(refreshed)
+        assert issued["alltoall_async"] == 1 and issued["allgather_async"] == 1, issued
+        assert issued["allreduce_sum_async"] == 4 * refreshed, (step, issued)
+        # Invariant: no mass is lost, reused threshold or not.
+        after = hvds.residual_variables()[name]
+        lhs = hvd.allreduce(tf.cast(after, tf.float64), op=hvd.Sum, name=f"{name}.l.{step}")
+        lhs += tf.cast(out, tf.float64)
+        rhs = hvd.allreduce(
+            tf.constant(before) + tf.cast(grad, tf.float64), op=hvd.Sum, name=f"{name}.r.{step}"
+        )
+        np.testing.assert_allclose(lhs.numpy(), rhs.numpy(), rtol=0, atol=1e-4)
+        assert 0 < int(tf.math.count_nonzero(out)) <= size * k
+        assert_identical([out], f"{name}.{step}")
+        before = after.numpy().astype(np.float64)
+        if step == 0 and graph:  # a first call that creates variables traces twice
+            traces = fn.experimental_get_tracing_count()
+    # The first step, and at least one step in every 8, refresh exactly; most reuse.
+    assert refreshes[0] == 1
+    for start in range(0, 24, 8):
+        assert 1 in refreshes[start : start + 8], refreshes
+    assert refreshes.count(0) >= 8, refreshes
+    if graph:
+        assert fn.experimental_get_tracing_count() == traces
+
+
 def test_options_tensorflow_does_not_act_on_are_refused():
     # dense_fusion_bytes joins buckets: a single tensor has none to join, as in torch.
     for bad, match in [
         (dict(dense_fusion_bytes=1024), "dense_fusion_bytes=1024 does not apply"),
         (dict(scheduler="auto"), "scheduler='auto' does not apply"),
         (dict(trace="t.json"), "trace='t.json' does not apply"),
-        (dict(global_selection="reuse"), "global_selection='reuse' does not apply"),
     ]:
         with pytest.raises(ValueError, match=match):
             hvds.sparse_allreduce(tf.ones([10]), name="bad", **bad)
@@ -547,7 +625,12 @@ def test_gradient_tape_matches_reference_and_keeps_local_sources():
         kernel_grad = (x.T @ c).reshape(-1)  # d loss / d kernel, this rank
         accumulators = gather_rows(before + kernel_grad, f"t2.acc.{step}")
         dtape = hvds.DistributedGradientTape(
-            tape, density=density, op=hvd.Sum, name="t2", selection="exact"
+            tape,
+            density=density,
+            op=hvd.Sum,
+            name="t2",
+            selection="exact",
+            global_selection="exact",
         )
         dtape.register_local_source(local)
         g_kernel, g_local = dtape.gradient(loss, [layer.kernel, local])
@@ -690,7 +773,10 @@ def test_keras_momentum_correction_sends_velocity_and_masks_it():
     k = budget(numel, density)
     weight = keras.Variable(np.zeros(numel, np.float32), name="w")
     opt = hvds_keras.DistributedOptimizer(
-        keras.optimizers.SGD(1.0, momentum=momentum), density=density, selection="exact"
+        keras.optimizers.SGD(1.0, momentum=momentum),
+        density=density,
+        selection="exact",
+        global_selection="exact",
     )
     assert opt.momentum_correction  # the default for a sparse momentum SGD
     residual, velocity = np.zeros(numel, np.float32), np.zeros(numel, np.float32)
@@ -759,6 +845,7 @@ def test_keras_adam_correction_exchanges_each_ranks_adam_direction(density):
         keras.optimizers.Adam(lr, beta_1=beta1, beta_2=beta2, epsilon=eps),
         density=density,
         selection="exact",
+        global_selection="exact",  # the reference selects exactly
         momentum_correction=True,
     )
     first = np.zeros(numel, np.float64)

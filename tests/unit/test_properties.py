@@ -224,10 +224,11 @@ def test_uniform_boundaries_cover_index_space(numel, world_size, seed):
 
 @st.composite
 def histograms(draw):
-    """(selected positions, numel, world size, bins) as BalancedPartition.update sees them."""
+    """(selected positions, numel, world size, bins) as BalancedPartition.follow_gathered
+    sees them."""
     numel = draw(st.one_of(st.integers(1, 300), st.integers(1, 10**7)))
     world_size = draw(st.integers(1, 64))
-    if draw(st.booleans()):  # as BalancedPartition.update sizes it
+    if draw(st.booleans()):  # as BalancedPartition.follow_gathered sizes it
         bins_per_rank = draw(st.sampled_from([1, 2, 7, 256]))
         bins = max(1, min(numel, bins_per_rank * world_size))
     else:  # any bin count, more bins than elements included
