@@ -72,31 +72,33 @@ class ReusedGlobalThreshold:
     k-th largest gathered magnitude when at least k rows came back; otherwise the
     threshold used, scaled by count / k (fewer rows than k: it was too high). An exact
     radix select (:func:`global_threshold_key`) refreshes it at the first sparse step,
-    every ``refresh_steps`` steps, and at the step after the gathered count left
-    ``band`` (as multiples of k); a new reducer (another world size) or a restored one
-    starts with a refresh. Owners keep what reaches the threshold, at most ``k`` rows
-    each (:meth:`capped`), so a stale threshold cannot send the whole bucket; what they
-    do not keep goes to their residual as on any step.
+    every ``refresh_steps`` steps, at the step after the gathered count left ``band``
+    (as multiples of k), on a step whose k differs from the last step's (a decaying
+    density), and at the first step of a new reducer (another world size). Owners keep
+    what reaches the threshold, at most ``k`` rows each (:meth:`capped`), so a stale
+    threshold cannot send the whole bucket; what they do not keep goes to their
+    residual as on any step.
 
     Sends: nothing on a reuse step; the radix select's 4 histogram allreduces on a
     refresh. Keeps, in backend cells (host values and a device scalar under PyTorch,
     variables under TensorFlow, so a traced step updates them on every call): the
-    threshold key, whether the next step refreshes and the steps since the last
-    refresh. The decisions read only the gathered row count, which the all-gather
-    already brought to the host under PyTorch: no added device read.
+    threshold key, whether the next step refreshes, the steps since the last refresh
+    and the k the key was derived for. The decisions read only the gathered row count,
+    which the all-gather already brought to the host under PyTorch: no added device
+    read.
     """
 
     def __init__(self, refresh_steps: int, band: tuple[float, float] = (0.8, 1.25)) -> None:
         self.refresh_steps = refresh_steps
         self.band = band
-        # (key, due, age), made at the first call, when the backend and a key are known.
-        self._cells: tuple[Cell, Cell, Cell] | None = None
+        # (key, due, age, k), made at the first call, when the backend and a key are known.
+        self._cells: tuple[Cell, Cell, Cell, Cell] | None = None
         # Whether the current step refreshed: a host bool, or a graph bool under TF.
         self.refreshed: Any = True
 
-    def _state(self, ops: Backend, keys: Tensor) -> tuple[Cell, Cell, Cell]:
+    def _state(self, ops: Backend, keys: Tensor) -> tuple[Cell, Cell, Cell, Cell]:
         if self._cells is None:
-            self._cells = (ops.cell(0, keys), ops.cell(True), ops.cell(0))
+            self._cells = (ops.cell(0, keys), ops.cell(True), ops.cell(0), ops.cell(0))
         return self._cells
 
     @property
@@ -117,8 +119,10 @@ class ReusedGlobalThreshold:
     def threshold(self, ops: Backend, keys: Tensor, k: Any, name: str, process_set: Any) -> Tensor:
         """This step's threshold key: an exact refresh when due, else the reused one,
         raised where this owner would keep more than k rows (:meth:`capped`)."""
-        key, due, age = self._state(ops, keys)
-        self.refreshed = due.get()
+        key, due, age, derived_for = self._state(ops, keys)
+        # The key holds the k-th largest gathered magnitude for the k it was derived for:
+        # another k (a decaying density) refreshes.
+        self.refreshed = due.get() | (derived_for.get() != k)
         chosen = ops.cond(
             self.refreshed,
             lambda: global_threshold_key(ops, keys, k, name, process_set),
@@ -143,7 +147,8 @@ class ReusedGlobalThreshold:
         """After the all-gather: the next threshold and whether the next step refreshes,
         from this step's gathered values (identical on every rank)."""
         assert self._cells is not None, "observe follows threshold()"
-        key, due, age = self._cells
+        key, due, age, derived_for = self._cells
+        derived_for.set(k)
         count = ops.num_rows(gathered)
         steps = age.get() + 1
         age.set(steps)
@@ -172,9 +177,10 @@ class ReusedGlobalThreshold:
         """What a checkpoint needs to continue with the same thresholds (host numbers:
         the key is read from the device, once per checkpoint)."""
         if self._cells is None:
-            return {"key": None, "due": True, "age": 0}
-        key, due, age = (cell.get() for cell in self._cells)
-        return {"key": int(ops.to_host_number(key)), "due": bool(due), "age": int(age)}
+            return {"key": None, "due": True, "age": 0, "k": 0}
+        key, due, age, k = (cell.get() for cell in self._cells)
+        host_key = int(ops.to_host_number(key))
+        return {"key": host_key, "due": bool(due), "age": int(age), "k": int(k)}
 
     def load_state_dict(self, ops: Backend, state: dict[str, Any], like: Tensor) -> None:
         """Restore :meth:`state_dict`; ``like``: an int32 tensor on the keys' device."""
@@ -183,8 +189,9 @@ class ReusedGlobalThreshold:
             return
         key = ops.cell(int(state["key"]), like)
         if self._cells is None:
-            self._cells = (key, ops.cell(True), ops.cell(0))
+            self._cells = (key, ops.cell(True), ops.cell(0), ops.cell(0))
         else:
             self._cells[0].set(key.get())
         self._cells[1].set(bool(state["due"]))
         self._cells[2].set(int(state["age"]))
+        self._cells[3].set(int(state.get("k", 0)))  # none saved: refresh

@@ -135,7 +135,12 @@ def test_warmup_steps_are_dense_then_sparse(graph):
 
     def reduce(x):
         return hvds.sparse_allreduce(
-            x, density=0.01, name="warm", op=hvd.Average, warmup_steps=warmup
+            x,
+            density=0.01,
+            name="warm",
+            op=hvd.Average,
+            warmup_steps=warmup,
+            global_selection="exact",  # exactly k per sparse step, asserted below
         )
 
     fn = tf.function(reduce) if graph else reduce
@@ -497,7 +502,8 @@ def test_density_decay_with_fused_warmup_on_the_tape(graph):
     name = f"fuse.decay.{graph}"
     schedule = dict(warmup_steps=2, density_decay_steps=4)
     config = SparseConfig(density=0.05, **schedule)
-    fused = fusion_tape(name, graph, **schedule)
+    # Exactly k per sparse step is asserted below: the exact global selection's count.
+    fused = fusion_tape(name, graph, global_selection="exact", **schedule)
     before = None
     for step in range(8):
         grads = fusion_grads(40 + step)
