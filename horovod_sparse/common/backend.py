@@ -19,6 +19,7 @@ depend on such state go through :meth:`Backend.cond`: a Python ``if`` on a host 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from horovod_sparse.common.config import budget
@@ -325,6 +326,12 @@ class Backend(Protocol):
 
     def split_by_mask(self, mask: Tensor, *tensors: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """``([t[mask] ...], [t[~mask] ...])``."""
+
+    def concat(self, tensors: Sequence[Tensor]) -> Tensor:
+        """The 1-D ``tensors`` end to end."""
+
+    def chunks(self, tensor: Tensor, count: int) -> list[Tensor]:
+        """``tensor`` (1-D, a multiple of ``count`` long) cut into ``count`` equal parts."""
 
     def count_in_range(self, indices: Tensor, lo: int, hi: int) -> Any:
         """Scalar: entries of ``indices`` in ``[lo, hi)``."""

@@ -22,8 +22,14 @@ from typing import Any, Union
 
 from horovod_sparse.common.backend import Backend, Tensor
 from horovod_sparse.common.fusion import DenseFusion, FusedPart
+from horovod_sparse.common.global_selection import grouped_threshold_keys
 from horovod_sparse.common.handle import BucketHandle
-from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer
+from horovod_sparse.common.pipeline import (
+    BucketReducer,
+    DenseBucketReducer,
+    OwnedSums,
+    ScatterInFlight,
+)
 from horovod_sparse.common.scheduler import AutoScheduler, TrialOutcome
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.common.step import StepKind, StepRecord
@@ -228,13 +234,15 @@ class Engine:
             self.poll()
             trace.backward_ended(ended)
         order = range(len(self.handles))
+        indices = list(reversed(order) if forward_order else order)
+        refreshed = self._refresh_together(indices)
         launched = []
-        for index in reversed(order) if forward_order else order:
+        for index in indices:
             handle = self.handles[index]
             assert handle is not None, "every bucket was launched"
             began = time.perf_counter()
             was_scatter = handle.scattering
-            handle.advance()
+            handle.advance(refreshed.get(index))
             if trace is not None:
                 name = self.names[index]
                 trace.waited(name, began, time.perf_counter(), ended if was_scatter else None)
@@ -243,6 +251,43 @@ class Engine:
             launched.append((index, handle))
             self.handles[index] = None
         return launched
+
+    def _refresh_together(self, indices: list[int]) -> dict[int, tuple[OwnedSums, Tensor]]:
+        """Run the radix selects of the sparse buckets whose global threshold refreshes
+        this step together: one allreduce per digit for all of them, not four per
+        bucket (the first sparse step and every ``refresh_steps``-th step refresh every
+        bucket at once). Their reduce-scatters are received first. Whether a bucket
+        refreshes is a host bool under PyTorch, the same on every rank. Returns each
+        grouped bucket's owner sums and key, by bucket index; a bucket alone in its
+        process set refreshes by itself as it advances."""
+        groups: dict[int, list[int]] = {}  # by process set: the allreduce's ranks
+        for index in indices:
+            handle = self.handles[index]
+            if handle is not None and handle.scattering:
+                reducer = _as_sparse(self.reducers[index])
+                if reducer.refresh_due():
+                    groups.setdefault(id(reducer.process_set), []).append(index)
+        together: dict[int, tuple[OwnedSums, Tensor]] = {}
+        for due in groups.values():
+            if len(due) < 2:
+                continue
+            reducers = [_as_sparse(self.reducers[index]) for index in due]
+            owned = [r.receive(self._scatter(index)) for index, r in zip(due, reducers)]
+            keys = grouped_threshold_keys(
+                self.ops,
+                [sums.keys for sums in owned],
+                [reducer.k for reducer in reducers],
+                f"{self.names[due[0]]}.refresh",
+                reducers[0].process_set,
+            )
+            together.update((i, (sums, key)) for i, sums, key in zip(due, owned, keys))
+        return together
+
+    def _scatter(self, index: int) -> ScatterInFlight:
+        """Bucket ``index``'s reduce-scatter in flight."""
+        handle = self.handles[index]
+        assert handle is not None and isinstance(handle.stage, ScatterInFlight)
+        return handle.stage
 
     def finish(self, index: int, handle: BucketHandle) -> Tensor:
         """Wait for bucket ``index``'s all-gather (or dense allreduce); its result, flat,

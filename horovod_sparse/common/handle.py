@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from horovod_sparse.common.backend import Backend, Tensor
 from horovod_sparse.common.fusion import FusedPart
-from horovod_sparse.common.pipeline import GatherInFlight, ScatterInFlight
+from horovod_sparse.common.pipeline import (
+    BucketReducer,
+    GatherInFlight,
+    OwnedSums,
+    ScatterInFlight,
+)
 
 if TYPE_CHECKING:
     from horovod_sparse.common.engine import Reducer
@@ -67,10 +72,21 @@ class BucketHandle:
         """Whether the collective in flight has finished; never blocks."""
         return self.ops.poll(self.collective)
 
-    def advance(self) -> None:
-        """Finish the reduce-scatter and launch the all-gather (a no-op once done)."""
+    def advance(self, received: tuple[OwnedSums, Tensor] | None = None) -> None:
+        """Finish the reduce-scatter and launch the all-gather (a no-op once done).
+
+        ``received``: the owner's sums and the exact threshold key, when the engine
+        received the reduce-scatter and ran this bucket's radix select together with
+        other buckets' (``Engine.launch_gathers``).
+        """
         if isinstance(self.stage, ScatterInFlight):
-            self.stage = self.reducer.reduce_and_gather(self.stage)
+            if received is None:
+                self.stage = self.reducer.reduce_and_gather(self.stage)
+            else:
+                owned, exact_key = received
+                reducer = self.reducer
+                assert isinstance(reducer, BucketReducer), "only a sparse step scatters"
+                self.stage = reducer.gather(owned, exact_key)
 
     def wait(self) -> Tensor:
         """Block until the result is there and return it, flat (written into ``out``

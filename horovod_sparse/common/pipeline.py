@@ -39,6 +39,7 @@ __all__ = [
     "BucketReducer",
     "DenseBucketReducer",
     "GatherInFlight",
+    "OwnedSums",
     "ScatterInFlight",
 ]
 
@@ -60,6 +61,20 @@ class GatherInFlight:
     own_rows: int
     wire_like: Tensor
     compression_ctx: Any
+
+
+@dataclass
+class OwnedSums:
+    """State between :meth:`BucketReducer.receive` and :meth:`BucketReducer.gather`:
+    this owner's reduced region (distinct region-local indices, their sums, and the
+    sums' magnitude keys) and the clock readings of the stage."""
+
+    region_indices: Tensor
+    sums: Tensor
+    keys: Tensor
+    began: Any
+    received: Any
+    reduced: Any
 
 
 class BucketReducer:
@@ -364,22 +379,20 @@ class BucketReducer:
 
     # ---------------------------------------------------------------- stage 2
     def reduce_and_gather(self, inflight: ScatterInFlight | GatherInFlight) -> GatherInFlight:
-        """Owner reduction, global selection, global residual collection, all-gather launch.
-
-        Sends: 4 histogram allreduces of 1 KiB, then one allgather of this owner's share
-        of the global top-k (about k/P rows).
-        Keeps: the reduced entries of this owner's region below the global threshold,
-        added to ``residual`` (global residual collection: no mass is dropped).
-        """
+        """Owner reduction, global selection, global residual collection, all-gather
+        launch: :meth:`receive`, then :meth:`gather`."""
         if isinstance(inflight, GatherInFlight):  # a dense step has no second stage
             return inflight
+        return self.gather(self.receive(inflight))
+
+    def receive(self, inflight: ScatterInFlight) -> OwnedSums:
+        """Wait for the reduce-scatter; step 6a: the owner's sums. Sends nothing more."""
         ops, record = self.ops, self.last_record
         began = ops.clock()
         rows, recv_splits = ops.wait(inflight.sent.handle)
         received = ops.clock(rows)
         record.recv_splits = recv_splits
         record.rows_received = ops.sum_except(recv_splits, self.rank)
-        lo = self.boundaries[self.rank]  # start of this owner's region
         # Step 6a: owner reduction (duplicates from different ranks add up).
         region_indices, sums = owner_reduce(
             ops,
@@ -388,21 +401,48 @@ class BucketReducer:
             self.residual,
             decode=lambda wire: ops.decompress(wire, inflight.compression_ctx),
         )
+        keys = ops.magnitude_keys(sums)
+        return OwnedSums(region_indices, sums, keys, began, received, ops.clock(keys))
+
+    def refresh_due(self) -> Any:
+        """Whether this step's global threshold comes from the exact radix select: every
+        step with ``global_selection="exact"``, on refresh steps with ``"reuse"``."""
+        reuse = self.reused_threshold
+        return True if reuse is None else reuse.due_for(self.k)
+
+    def gather(self, owned: OwnedSums, exact_key: Tensor | None = None) -> GatherInFlight:
+        """Global selection, global residual collection and the all-gather launch.
+
+        ``exact_key``: this bucket's radix-select key when the caller ran the selects of
+        several buckets together (:func:`grouped_threshold_keys`); None: its own select
+        runs here when :meth:`refresh_due`.
+
+        Sends: 4 histogram allreduces of 1 KiB when the threshold refreshes here, then
+        one allgather of this owner's share of the global top-k (about k/P rows).
+        Keeps: the reduced entries of this owner's region below the global threshold,
+        added to ``residual`` (global residual collection: no mass is dropped).
+        """
+        ops, record, keys = self.ops, self.last_record, owned.keys
+        lo = self.boundaries[self.rank]  # start of this owner's region
+
+        def exact() -> Tensor:
+            if exact_key is not None:
+                return exact_key
+            return global_threshold_key(ops, keys, self.k, self.name, self.process_set)
+
         # Step 6b: global selection by the global k-th magnitude: exact (a radix select),
         # or reused from the last all-gather, at most k rows per owner.
-        keys = ops.magnitude_keys(sums)
-        reduced = ops.clock(keys)
         reuse = self.reused_threshold
         if reuse is None:
-            threshold = global_threshold_key(ops, keys, self.k, self.name, self.process_set)
+            threshold = exact()
             record.refreshed = 1
         else:
-            threshold = reuse.threshold(ops, keys, self.k, self.name, self.process_set)
+            threshold = reuse.threshold(ops, keys, self.k, exact)
             record.refreshed = reuse.refreshed
         thresholded = ops.clock()
         kept_mask = ops.mask_at_least(keys, threshold)
         (kept_idx, kept_val), (drop_idx, drop_val) = ops.split_by_mask(
-            kept_mask, region_indices, sums
+            kept_mask, owned.region_indices, owned.sums
         )
         # Step 6c: global residual collection: dropped sums go back to this owner's residual.
         self.residual = ops.add_at(self.residual, ops.shift(drop_idx, lo), drop_val)
@@ -413,13 +453,13 @@ class BucketReducer:
         if lost is not None:
             self.residual = ops.add_at(self.residual, bucket_idx, lost)
         handle = spar_all_gather_start(ops, bucket_idx, wire, self.name, self.process_set)
-        record.seconds_select = record.seconds_select + (selected - received)
+        record.seconds_select = record.seconds_select + (selected - owned.received)
         # Local work only (no collective waits), for an automatic scheduler's cost model.
         record.seconds_local = (
-            record.seconds_local + (reduced - received) + (selected - thresholded)
+            record.seconds_local + (owned.reduced - owned.received) + (selected - thresholded)
         )
         record.seconds_exchange = (
-            record.seconds_exchange + (received - began) + (ops.clock() - selected)
+            record.seconds_exchange + (owned.received - owned.began) + (ops.clock() - selected)
         )
         record.gather_row_bytes = row_bytes(ops.itemsize(wire))
         return GatherInFlight(handle, ops.num_rows(bucket_idx), wire, ctx)

@@ -10,6 +10,7 @@ host.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import horovod.tensorflow as hvd
@@ -340,6 +341,12 @@ class TFBackend(HorovodPrimitives):
         # Keys are the bits of an fp32 magnitude: scale the float, take its bits again.
         magnitude = tf.bitcast(key, tf.float32) * tf.cast(factor, tf.float32)
         return tf.bitcast(magnitude, tf.int32)
+
+    def concat(self, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+        return tf.concat(list(tensors), axis=0)
+
+    def chunks(self, tensor: tf.Tensor, count: int) -> list[tf.Tensor]:
+        return list(tf.split(tensor, count))
 
     def split_by_mask(
         self, mask: tf.Tensor, *tensors: tf.Tensor

@@ -16,6 +16,7 @@ A dense step has none. Horovod's own GPU-to-host staging is not counted here.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -275,6 +276,12 @@ class TorchBackend(HorovodPrimitives):
     def scale_key(self, key: torch.Tensor, factor: float) -> torch.Tensor:
         # Keys are the bits of an fp32 magnitude: scale the float, take its bits again.
         return (key.view(torch.float32) * factor).view(torch.int32)
+
+    def concat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(tensors))
+
+    def chunks(self, tensor: torch.Tensor, count: int) -> list[torch.Tensor]:
+        return list(tensor.view(count, -1).unbind(0))
 
     def split_by_mask(
         self, mask: torch.Tensor, *tensors: torch.Tensor

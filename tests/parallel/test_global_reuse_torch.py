@@ -7,6 +7,7 @@ import torch
 import horovod_sparse.torch as hvds
 import horovod_sparse.torch.functions as functions
 from horovod_sparse.common.config import budget
+from tests.buckets import sparse_buckets
 from tests.parallel.test_options_torch import skewed_grad
 
 hvd.init()
@@ -132,5 +133,79 @@ def test_reuse_in_the_optimizer_keeps_the_invariant_and_identical_ranks(partitio
     assert agree(refreshes)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     everyone = hvd.allgather(flat.view(1, -1), name="opt.reuse.params")
+    for r in range(size):
+        assert torch.equal(everyone[r], flat)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronize", "overlap_allgather"])
+@pytest.mark.parametrize("global_selection", ["reuse", "exact"])
+def test_buckets_refreshing_together_share_four_allreduces(counted, overlap, global_selection):
+    """Three sparse buckets: on a step where their thresholds refresh (every step with
+    "exact"; the first and every refresh_steps-th with "reuse") the radix selects share
+    one allreduce per digit, 4 in all, not 4 per bucket. Without overlap the invariant is
+    checked per bucket; parameters stay identical on every rank either way."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(60, 100, bias=False),
+        torch.nn.Linear(100, 80, bias=False),
+        torch.nn.Linear(80, 50, bias=False),
+    )
+    opt = hvds.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        model.named_parameters(),
+        density=0.05,
+        fusion_threshold_bytes=40_000,  # one sparse bucket per layer
+        global_selection=global_selection,
+        refresh_steps=4,
+        overlap_allgather=overlap,
+        model=model if overlap else None,
+        momentum_correction=False,
+    )
+    buckets = sparse_buckets(opt, model)
+    assert len(buckets) == 3 and all(view.sparse for view in opt.buckets())
+    size, refreshes = hvd.size(), []
+    before = {b.name: torch.zeros(sum(p.numel() for p in b.params)) for b in buckets}
+    for step in range(10):
+        g = torch.Generator().manual_seed(step + 100 * hvd.rank())
+        start = dict(counted)
+        opt.zero_grad()
+        model(torch.randn(16, 60, generator=g)).square().sum().backward()
+        grads = {b.name: torch.cat([p.grad.reshape(-1) for p in b.params]) for b in buckets}
+        if overlap:
+            opt.step()  # the all-gathers finish in the next forward (or flush())
+        else:
+            opt.synchronize()
+        issued = {kind: counted[kind] - start[kind] for kind in COLLECTIVES}
+        refreshing = opt.stats().global_refreshes if not overlap else 0
+        assert issued["alltoall_async"] == 3 and issued["allgather_async"] == 3, issued
+        assert issued["allreduce_sum_async"] in (0, 4), (step, issued)
+        refreshes.append(issued["allreduce_sum_async"] // 4)
+        if global_selection == "exact":
+            assert issued["allreduce_sum_async"] == 4, (step, issued)
+        if overlap:
+            continue
+        # However many buckets refresh, their selects take 4 allreduces together.
+        assert (refreshing > 0) == bool(refreshes[-1]), (refreshing, issued)
+        for b in buckets:
+            # Invariant: sum_ranks residual_after + P * result == sum_ranks accumulator.
+            after = opt.residuals()[b.name]
+            result = torch.cat([p.grad.reshape(-1) for p in b.params])
+            lhs = hvd.allreduce(after.double(), op=hvd.Sum, name=f"grp.l.{b.name}.{step}")
+            lhs += size * result.double()
+            rhs = hvd.allreduce(
+                (before[b.name] + grads[b.name]).double(),
+                op=hvd.Sum,
+                name=f"grp.r.{b.name}.{step}",
+            )
+            torch.testing.assert_close(lhs, rhs, rtol=0, atol=1e-4)
+            before[b.name] = after.clone()
+        with opt.skip_synchronize():
+            opt.step()
+    if global_selection == "reuse":
+        assert refreshes[0] == 1 and 0 in refreshes, refreshes
+    assert agree(refreshes)
+    opt.flush()  # an overlapped step's updates land now
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = hvd.allgather(flat.view(1, -1), name=f"grp.params.{overlap}.{global_selection}")
     for r in range(size):
         assert torch.equal(everyone[r], flat)

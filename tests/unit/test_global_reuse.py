@@ -1,11 +1,16 @@
 """The reused global threshold's rules, single process, against direct computation."""
 
 import numpy as np
+import pytest
 
 from horovod_sparse.common.config import SparseConfig
-from horovod_sparse.common.global_selection import ReusedGlobalThreshold
+from horovod_sparse.common.global_selection import (
+    ReusedGlobalThreshold,
+    global_threshold_key,
+    grouped_threshold_keys,
+)
 from horovod_sparse.common.pipeline import BucketReducer
-from tests.unit.test_backends import OneRank, _torch_backend
+from tests.unit.test_backends import BACKENDS, OneRank, _torch_backend
 
 
 def key_of(value: float) -> int:
@@ -17,7 +22,8 @@ def test_next_threshold_is_the_kth_gathered_magnitude_or_scaled_down():
     reuse = ReusedGlobalThreshold(refresh_steps=4)
     keys = ops.magnitude_keys(to(np.array([5.0, -4.0, 3.0, 2.0, 1.0], np.float32)))
     # Due at first: the radix select over one rank finds the exact 2nd largest, 4.0.
-    assert int(reuse.threshold(ops, keys, 2, "t", OneRank())) == key_of(4.0)
+    exact = lambda: global_threshold_key(ops, keys, 2, "t", OneRank())  # noqa: E731
+    assert int(reuse.threshold(ops, keys, 2, exact)) == key_of(4.0)
     assert reuse.refreshed
     # Gathered 3 >= k = 2 rows: the next key is the 2nd largest gathered magnitude.
     reuse.observe(ops, to(np.array([-7.0, 6.0, 0.5], np.float32)), 2)
@@ -55,3 +61,27 @@ def test_one_rank_reuse_keeps_residual_plus_result_equal_to_the_accumulator():
         owed = back(reducer.residual).copy()
         assert 0 < np.count_nonzero(result) <= reducer.k
     assert refreshed[0] == 1 and 0 in refreshed
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_grouped_radix_selects_equal_each_bucket_alone(framework):
+    """Buckets that refresh on the same step share one allreduce per digit: each
+    bucket's key is the one its own radix select finds (sizes, budgets and ties vary)."""
+    ops, to, _ = BACKENDS[framework]()
+    rng = np.random.default_rng(3)
+    values = [
+        rng.standard_normal(5000).astype(np.float32),
+        rng.standard_normal(700).astype(np.float32) * 1e-3,
+        np.repeat(np.float32([2.0, 1.0, 0.5]), 40),  # ties at every candidate threshold
+        np.zeros(10, np.float32),  # fewer than k nonzero: everything is kept
+    ]
+    ks = [50, 7, 45, 3]
+    keys = [ops.magnitude_keys(to(v)) for v in values]
+    grouped = grouped_threshold_keys(ops, keys, ks, "g", OneRank())
+    for bucket_keys, k, key in zip(keys, ks, grouped):
+        alone = global_threshold_key(ops, bucket_keys, k, "a", OneRank())
+        assert int(key) == int(alone)
+    # Each key selects that bucket's k largest magnitudes (ties at the cut all kept).
+    for v, k, key in zip(values, ks, grouped):
+        magnitudes = np.sort(np.abs(v))[::-1]
+        assert int(key) == key_of(float(magnitudes[k - 1]))
