@@ -64,23 +64,40 @@ def main(out: str) -> None:
         )
     # The whole sparse allreduce (selection included) against dense, for the model check.
     import horovod_sparse.torch as hvds
+    from horovod_sparse.common.config import budget
 
     grad = torch.randn(1 << 22)
     for density in (0.01, 0.001):
-        hvds.reset_residuals()
-        name = f"sparse{density}"
-        seconds = timed(lambda n, d=density, t=name: hvds.sparse_allreduce(grad, d, t), name)
-        s = hvds.stats(name)
-        rows.append(
-            {
-                "op": "sparse_allreduce",
-                "numel": grad.numel(),
-                "density": density,
-                "seconds": seconds,
-                "seconds_select": s.seconds_select,
-                "bytes_per_rank": s.bytes_sent + s.bytes_received,
-            }
-        )
+        for way in ("reuse", "exact"):
+            hvds.reset_residuals()
+            name = f"sparse{density}.{way}"
+            seen = {"calls": 0, "refreshes": 0, "selected": 0}
+
+            def call(
+                n: str, d: float = density, t: str = name, w: str = way, seen: dict = seen
+            ) -> None:
+                hvds.sparse_allreduce(grad, d, t, global_selection=w)
+                step = hvds.stats(t)
+                seen["calls"] += 1
+                seen["refreshes"] += step.global_refreshes
+                seen["selected"] += step.selected
+
+            seconds = timed(call, name)
+            s = hvds.stats(name)
+            rows.append(
+                {
+                    "op": "sparse_allreduce",
+                    "global_selection": way,
+                    "numel": grad.numel(),
+                    "density": density,
+                    "seconds": seconds,
+                    "seconds_select": s.seconds_select,
+                    "bytes_per_rank": s.bytes_sent + s.bytes_received,
+                    # Over every call, the warm-up call included.
+                    "refresh_fraction": seen["refreshes"] / seen["calls"],
+                    "kept_over_k": seen["selected"] / seen["calls"] / budget(grad.numel(), density),
+                }
+            )
     if hvd.rank() == 0:
         with open(out, "w") as f:
             json.dump({"world_size": size, "rows": rows}, f)

@@ -39,7 +39,9 @@ __all__ = ["BucketView", "Engine", "Reducer", "SharedState"]
 
 Reducer = Union[BucketReducer, DenseBucketReducer]  # a runtime alias: Union for Python 3.9
 # Per sparse bucket: (step count, partition boundaries, forced dense by the scheduler).
-SharedState = dict[str, tuple[int, list[int], bool]]
+# Per sparse bucket: step, boundaries, the scheduler's choice, the reused global
+# threshold's state (None with global_selection="exact").
+SharedState = dict[str, tuple[int, list[int], bool, dict[str, Any] | None]]
 
 
 @dataclass(frozen=True)
@@ -405,17 +407,25 @@ class Engine:
     # ------------------------------------------------------------------ state
     def shared_state(self) -> SharedState:
         """What every rank must agree on: per sparse bucket, the step count (density
-        schedule, scheduler timing), the boundaries and the scheduler's choice."""
+        schedule, scheduler timing), the boundaries, the scheduler's choice and the
+        reused global threshold (whether the next step refreshes decides whether the
+        radix select's allreduces run: ranks that disagree would hang)."""
         return {
-            name: (int(r.step), list(r.boundaries), bool(r.force_dense))
+            name: (
+                int(r.step),
+                list(r.boundaries),
+                bool(r.force_dense),
+                None if r.reused_threshold is None else r.reused_threshold.state_dict(self.ops),
+            )
             for name, r in zip(self.names, self.sparse)
         }
 
     def adopt_shared_state(self, theirs: SharedState) -> None:
         """Take another rank's :meth:`shared_state`, and decide again from it."""
         for name, reducer in zip(self.names, self.sparse):
-            reducer.step, boundaries, _ = theirs[name]
+            reducer.step, boundaries, _, threshold = theirs[name]
             reducer.boundaries = list(boundaries)
+            reducer.restore_global_threshold(threshold)
         if self.scheduler is not None:
             for choice, name in zip(self.scheduler.choices, self.names):
                 choice.switch(theirs[name][2])

@@ -587,20 +587,25 @@ class BucketReducer:
         self.step = int(state["step"])
         self.selection.load_state_dict(state["selection"])
         same_world = int(state["world_size"]) == self.world_size
-        reuse = self.reused_threshold
-        if reuse is not None:
-            saved = state.get("global_threshold")
-            if same_world and saved is not None:
-                like = self.ops.magnitude_keys(self.ops.zeros(1, self.residual))
-                reuse.load_state_dict(self.ops, saved, like)
-            else:
-                reuse.restart()
+        self.restore_global_threshold(state.get("global_threshold") if same_world else None)
         if same_world:
             self.boundaries = [int(b) for b in state["boundaries"]]
         if residual:
             self.residual = self.ops.add_scaled_(
                 self.ops.scale(self.residual, 0.0), state["residual"], 1.0
             )
+
+    def restore_global_threshold(self, saved: dict[str, Any] | None) -> None:
+        """Take a reused global threshold's saved state; None: refresh at the next
+        sparse step. A no-op with ``global_selection="exact"``."""
+        reuse = self.reused_threshold
+        if reuse is None:
+            return
+        if saved is None:
+            reuse.restart()
+            return
+        like = self.ops.magnitude_keys(self.ops.zeros(1, self.residual))  # an int32 key
+        reuse.load_state_dict(self.ops, saved, like)
 
 
 class DenseBucketReducer:
