@@ -80,8 +80,8 @@ def time_selection(numel: int, steps: int, density: float) -> dict:
     }
 
 
-def skewed_selection(numel: int, density: float, rank: int) -> torch.Tensor:
-    """One rank's top-k of a bucket whose large entries sit 80% in the last 10%."""
+def skewed_selection(numel: int, density: float, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's bucket, whose large entries sit 80% in the last 10%, and its top-k."""
     g = torch.Generator().manual_seed(rank)
     grad = torch.randn(numel, generator=g) * 0.01
     heavy = numel // 50
@@ -89,14 +89,22 @@ def skewed_selection(numel: int, density: float, rank: int) -> torch.Tensor:
     head = torch.randint(0, numel - numel // 10, (heavy - tail.numel(),), generator=g)
     grad[tail] += torch.randn(tail.numel(), generator=g)
     grad[head] += torch.randn(head.numel(), generator=g)
-    return TorchBackend().topk_indices(grad, budget(numel, density))
+    return grad, TorchBackend().topk_indices(grad, budget(numel, density))
 
 
 def owner_load(numel: int, density: float, world_size: int, bins_per_rank: int = 256) -> dict:
+    """Rows each owner receives in the reduce-scatter, with the uniform cut and with the
+    balanced cut that the partition derives from the gathered rows (the global top-k
+    of the owners' sums: every rank sends its value where it selected)."""
     ops = TorchBackend()
-    selections = [skewed_selection(numel, density, r) for r in range(world_size)]
+    ranks = [skewed_selection(numel, density, r) for r in range(world_size)]
+    selections = [indices for _, indices in ranks]
+    sums = torch.zeros(numel)
+    for grad, indices in ranks:
+        sums.index_add_(0, indices, grad[indices])
+    gathered = ops.topk_indices(sums, budget(numel, density))
     bins = bins_per_rank * world_size
-    summed = sum(ops.position_histogram(s, numel, bins) for s in selections)
+    summed = ops.position_histogram(gathered, numel, bins)
     result = {}
     for name, bounds in (
         ("uniform", UniformPartition().boundaries(numel, world_size)),
