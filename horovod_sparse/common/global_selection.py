@@ -93,31 +93,37 @@ class ReusedGlobalThreshold:
     radix select (:func:`global_threshold_key`) refreshes it at the first sparse step,
     every ``refresh_steps`` steps, at the step after the gathered count left ``band``
     (as multiples of k), on a step whose k differs from the last step's (a decaying
-    density), and at the first step of a new reducer (another world size). Owners keep
-    what reaches the threshold, at most ``k`` rows each (:meth:`capped`), so a stale
-    threshold cannot send the whole bucket; what they do not keep goes to their
-    residual as on any step.
+    density), and at the first step of a new reducer (another world size).
+
+    Owners keep what reaches the threshold, at most their share of ``band[1] * k`` rows
+    each (:meth:`capped`): the share is the fraction of the last gathered rows that
+    were theirs (smoothed by one row, so an owner that sent none may still send), so
+    the rows of one step stay below about ``band[1] * k`` in total however stale the
+    threshold is. What an owner does not keep goes to its residual as on any step.
+    With the accumulator growing from step to step (the same gradient added every
+    call), a cap of k per owner let a reused step send up to P * k rows.
 
     Sends: nothing on a reuse step; the radix select's 4 histogram allreduces on a
     refresh. Keeps, in backend cells (host values and a device scalar under PyTorch,
     variables under TensorFlow, so a traced step updates them on every call): the
-    threshold key, whether the next step refreshes, the steps since the last refresh
-    and the k the key was derived for. The decisions read only the gathered row count,
-    which the all-gather already brought to the host under PyTorch: no added device
-    read.
+    threshold key, whether the next step refreshes, the steps since the last refresh,
+    the k the key was derived for and this owner's row cap. The decisions read only
+    row counts, which the all-gather already brought to the host under PyTorch: no
+    added device read.
     """
 
     def __init__(self, refresh_steps: int, band: tuple[float, float] = (0.8, 1.25)) -> None:
         self.refresh_steps = refresh_steps
         self.band = band
-        # (key, due, age, k), made at the first call, when the backend and a key are known.
-        self._cells: tuple[Cell, Cell, Cell, Cell] | None = None
+        # (key, due, age, k, cap), made at the first call, when the backend and a key
+        # are known.
+        self._cells: tuple[Cell, Cell, Cell, Cell, Cell] | None = None
         # Whether the current step refreshed: a host bool, or a graph bool under TF.
         self.refreshed: Any = True
 
-    def _state(self, ops: Backend, keys: Tensor) -> tuple[Cell, Cell, Cell, Cell]:
+    def _state(self, ops: Backend, keys: Tensor) -> tuple[Cell, Cell, Cell, Cell, Cell]:
         if self._cells is None:
-            self._cells = (ops.cell(0, keys), ops.cell(True), ops.cell(0), ops.cell(0))
+            self._cells = (ops.cell(0, keys), ops.cell(True), ops.cell(0), ops.cell(0), ops.cell(0))
         return self._cells
 
     @property
@@ -135,21 +141,30 @@ class ReusedGlobalThreshold:
         assert self._cells is not None, "set after the first step"
         self._cells[1].set(value)
 
+    @property
+    def row_cap(self) -> Any:
+        """The most rows this owner keeps on the next reused step (0 before the first
+        step)."""
+        return 0 if self._cells is None else self._cells[4].get()
+
     def due_for(self, k: Any) -> Any:
         """Whether this step (budget ``k``) refreshes: when due, and when ``k`` is not the
         k the key was derived for (a decaying density). A host bool under PyTorch."""
         if self._cells is None:
             return True
-        _, due, _, derived_for = self._cells
+        _, due, _, derived_for, _ = self._cells
         return due.get() | (derived_for.get() != k)
 
     def threshold(self, ops: Backend, keys: Tensor, k: Any, exact: Callable[[], Tensor]) -> Tensor:
         """This step's threshold key: ``exact()`` (the radix select: this bucket's alone,
         or its share of one grouped with other buckets') when refreshing, else the
-        reused key, raised where this owner would keep more than k rows (:meth:`capped`)."""
-        key, _, age, _ = self._state(ops, keys)
+        reused key, raised where this owner would keep more than its cap (:meth:`capped`).
+        A refresh is never capped: its count is k (more only on ties)."""
+        key, _, age, _, cap = self._state(ops, keys)
         self.refreshed = self.due_for(k)
-        chosen = ops.cond(self.refreshed, exact, lambda: self.capped(ops, keys, key.get(), k))
+        chosen = ops.cond(
+            self.refreshed, exact, lambda: self.capped(ops, keys, key.get(), cap.get())
+        )
         # A refresh restarts the count of steps since the last one (0 * age: the
         # count's own type, a host int or an int64 variable).
         age.set(ops.cond(self.refreshed, lambda: 0 * age.get(), age.get))
@@ -165,13 +180,19 @@ class ReusedGlobalThreshold:
             lambda: threshold,
         )
 
-    def observe(self, ops: Backend, gathered: Tensor, k: Any) -> None:
-        """After the all-gather: the next threshold and whether the next step refreshes,
-        from this step's gathered values (identical on every rank)."""
+    def observe(self, ops: Backend, gathered: Tensor, k: Any, own_rows: Any) -> None:
+        """After the all-gather: the next threshold, whether the next step refreshes and
+        this owner's next row cap, from this step's gathered values (identical on every
+        rank) and ``own_rows``, how many of them this owner sent."""
         assert self._cells is not None, "observe follows threshold()"
-        key, due, age, derived_for = self._cells
+        key, due, age, derived_for, cap = self._cells
         derived_for.set(k)
         count = ops.num_rows(gathered)
+        # ceil(band[1] * k * (own_rows + 1) / (count + 1)) in integers (host ints, or
+        # int64 graph scalars alike): at least 1, and about band[1] * k over all owners.
+        margin_num, margin_den = self.band[1].as_integer_ratio()
+        share_den = margin_den * (count + 1)
+        cap.set((margin_num * k * (own_rows + 1) + share_den - 1) // share_den)
         steps = age.get() + 1
         age.set(steps)
 
@@ -199,10 +220,10 @@ class ReusedGlobalThreshold:
         """What a checkpoint needs to continue with the same thresholds (host numbers:
         the key is read from the device, once per checkpoint)."""
         if self._cells is None:
-            return {"key": None, "due": True, "age": 0, "k": 0}
-        key, due, age, k = (cell.get() for cell in self._cells)
+            return {"key": None, "due": True, "age": 0, "k": 0, "cap": 0}
+        key, due, age, k, cap = (cell.get() for cell in self._cells)
         host_key = int(ops.to_host_number(key))
-        return {"key": host_key, "due": bool(due), "age": int(age), "k": int(k)}
+        return {"key": host_key, "due": bool(due), "age": int(age), "k": int(k), "cap": int(cap)}
 
     def load_state_dict(self, ops: Backend, state: dict[str, Any], like: Tensor) -> None:
         """Restore :meth:`state_dict`; ``like``: an int32 tensor on the keys' device."""
@@ -211,9 +232,11 @@ class ReusedGlobalThreshold:
             return
         key = ops.cell(int(state["key"]), like)
         if self._cells is None:
-            self._cells = (key, ops.cell(True), ops.cell(0), ops.cell(0))
+            self._cells = (key, ops.cell(True), ops.cell(0), ops.cell(0), ops.cell(0))
         else:
             self._cells[0].set(key.get())
         self._cells[1].set(bool(state["due"]))
         self._cells[2].set(int(state["age"]))
         self._cells[3].set(int(state.get("k", 0)))  # none saved: refresh
+        # A checkpoint from before the share cap: k per owner, as it then was.
+        self._cells[4].set(int(state.get("cap", state.get("k", 0))))

@@ -502,7 +502,7 @@ class BucketReducer:
         values = ops.decompress(wire_values, inflight.compression_ctx)
         if self.reused_threshold is not None:
             # Every rank gathered the same rows: each derives the next threshold alike.
-            self.reused_threshold.observe(ops, values, self.k)
+            self.reused_threshold.observe(ops, values, self.k, inflight.own_rows)
         if postscale != 1.0:
             values = ops.scale(values, postscale)  # scale the k kept values, not all n
         result = ops.scatter_into(self.numel, like, indices, values, out)

@@ -30,16 +30,44 @@ __all__ = ["TorchBackend"]
 _HISTOGRAM_BINS = 256
 
 
+# Floats per chunk of the CPU candidate pass: a chunk's magnitudes (4 MB in fp32) and
+# flags stay in cache between the two kernels that read them. 16M floats, one thread:
+# 13.4 ms against 25.4 ms for whole-bucket temporaries, whose fresh pages alone cost a
+# third of that; 128K to 2M floats per chunk all measured within 1.8 ms of each other.
+_CANDIDATE_CHUNK = 1 << 20
+
+
 def _nonzero_by_words(mask: torch.Tensor) -> torch.Tensor:
     """``mask.nonzero()`` for a CPU bool mask whose length is a multiple of 8, ascending.
 
     Reads the mask as int64 words of 8 flags: only the words holding a set flag are
-    expanded and tested. At density 0.01, one word in 13 is set, so this is about 1.4x
-    faster than ``nonzero`` on the flags (8.2 vs 11.4 ms at 16M, one thread).
+    expanded and tested. At density 0.01, one word in 13 is set, so this is about 2x
+    faster than ``nonzero`` on the flags (5.4 vs 11.6 ms at 16M, one thread).
     """
     words = mask.view(torch.int64).nonzero().view(-1)
-    positions = (words.unsqueeze(1) * 8 + torch.arange(8)).view(-1)
-    return positions[mask.index_select(0, positions)]
+    word_and_flag = mask.view(-1, 8).index_select(0, words).nonzero()
+    return words.index_select(0, word_and_flag[:, 0]).mul_(8).add_(word_and_flag[:, 1])
+
+
+def _cpu_indices_at_least(values: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Ascending positions of ``values`` whose magnitude is at least ``threshold`` (NaN
+    included), one chunk at a time into reused scratch: one read of the bucket, and no
+    bucket-sized temporary."""
+    numel = values.numel()
+    chunk = min(numel, _CANDIDATE_CHUNK)
+    magnitudes = torch.empty(chunk, dtype=values.dtype)
+    flags = torch.empty(chunk, dtype=torch.bool)
+    found = []
+    for start in range(0, numel, chunk):
+        part = values[start : start + chunk]
+        width = part.numel()
+        below = torch.lt(torch.abs(part, out=magnitudes[:width]), threshold, out=flags[:width])
+        # NaN compares false, so "not below" selects it: it reaches the result, as it
+        # would with dense Horovod.
+        keep = below.logical_not_()
+        positions = _nonzero_by_words(keep) if width % 8 == 0 else keep.nonzero().view(-1)
+        found.append(positions.add_(start) if start else positions)
+    return found[0] if len(found) == 1 else torch.cat(found)
 
 
 @dataclass
@@ -158,14 +186,13 @@ class TorchBackend(HorovodPrimitives):
         return torch.topk(values, k, sorted=False).values.min()
 
     def indices_at_least(self, values: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+        if values.device.type == "cpu":
+            return _cpu_indices_at_least(values, threshold)
         # One memory pass without materialising |values|. Written as "not inside the
         # band" so NaN (false in every comparison) is selected and reaches the result,
         # as it would with dense Horovod. nonzero() syncs: the size is data-dependent.
-        # In-place logical ops: two fewer n-sized temporaries (55 ms vs 74 ms at 16M on CPU).
         keep = (values < threshold).logical_and_(values > -threshold).logical_not_()
-        if keep.is_cuda or keep.numel() % 8:
-            return keep.nonzero().view(-1)
-        return _nonzero_by_words(keep)
+        return keep.nonzero().view(-1)
 
     def top_of(self, values: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
         magnitudes = values.index_select(0, candidates).abs()

@@ -6,6 +6,7 @@ for the same logical tensor, as with Horovod's named collectives.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,11 @@ __all__ = [
 BACKEND = TorchBackend()
 _REDUCERS: NamedReducers[BucketReducer] = NamedReducers(lambda reducer: reducer)
 _LAST_NAME: list[str] = []
+# The last CPU result of each reducer, flat. A later call writes its result there when
+# the caller has dropped every view of it: a fresh 64 MB result costs 25 ms of page
+# faults on a CPU (16M floats), zeroing a mapped one 1.8 ms. CUDA's caching allocator
+# already reuses device memory, so CUDA results are not kept.
+_LAST_RESULTS: weakref.WeakKeyDictionary[BucketReducer, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 def op_name(op: Any) -> str:
@@ -48,7 +54,26 @@ class SparseHandle(BucketHandle):
 
     def wait(self) -> torch.Tensor:
         """Block until the result is ready and return it, shaped like the input."""
-        return super().wait().view(self.shape)
+        flat = super().wait()
+        if flat.device.type == "cpu" and isinstance(self.reducer, BucketReducer):
+            _LAST_RESULTS[self.reducer] = flat
+        return flat.view(self.shape)
+
+
+def _dropped_result(reducer: BucketReducer, like: torch.Tensor) -> torch.Tensor | None:
+    """The reducer's last result if nothing but this module refers to its memory any
+    more (the caller dropped every view of it), and it matches ``like``; else None."""
+    last = _LAST_RESULTS.get(reducer)
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if last is None or use_count is None:
+        return None
+    if last.dtype != like.dtype or last.device != like.device or last.numel() != like.numel():
+        return None
+    # References to the memory: ``last`` and the storage object made to ask. Any view
+    # the caller still holds (the shaped result, a slice, a NumPy array) adds one.
+    if use_count(last.untyped_storage()._cdata) != 2:
+        return None
+    return last
 
 
 def _check_tensor(tensor: torch.Tensor, name: str) -> None:
@@ -108,7 +133,8 @@ def sparse_allreduce_async(
     reducer.compression = compression
     stage = reducer.start(flat, prescale)
     _LAST_NAME[:] = [name]
-    return SparseHandle(reducer, stage, flat, postscale, shape=tensor.shape)
+    out = _dropped_result(reducer, flat)
+    return SparseHandle(reducer, stage, flat, postscale, out=out, shape=tensor.shape)
 
 
 def synchronize(handle: SparseHandle) -> torch.Tensor:
@@ -168,3 +194,4 @@ def reset_residuals() -> None:
     """Forget every residual kept by the functional API."""
     _REDUCERS.clear()
     _LAST_NAME.clear()
+    _LAST_RESULTS.clear()

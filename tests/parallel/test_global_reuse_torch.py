@@ -71,11 +71,13 @@ def test_a_reused_step_is_one_alltoall_and_one_allgather(counted, partition):
             (before + grad).double(), op=hvd.Sum, name=f"reuse.r.{partition}.{step}"
         )
         torch.testing.assert_close(lhs, rhs, rtol=0, atol=1e-4)
-        # Every rank holds the same result; at most k rows per owner are kept.
+        # Every rank holds the same result; each owner keeps at most its share of
+        # 1.25 k rows (ceil(1.25 k (own + 1) / (gathered + 1)), with gathered >= 0.8 k
+        # on the step before a reused one), so about 1.25 k in all, not P k.
         everyone = hvd.allgather(out.view(1, -1), name=f"reuse.o.{partition}.{step}")
         for r in range(size):
             assert torch.equal(everyone[r], out)
-        assert 0 < int((out != 0).sum()) <= size * k
+        assert 0 < int((out != 0).sum()) <= 1.25 * k + 3 * size
         before = after.clone()
     # The first step, and at least one step in every 8, refresh exactly.
     assert refreshes[0] == 1
@@ -122,7 +124,7 @@ def test_reuse_in_the_optimizer_keeps_the_invariant_and_identical_ranks(partitio
         )
         torch.testing.assert_close(lhs, rhs, rtol=0, atol=1e-4)
         kept = int((model.weight.grad != 0).sum())
-        assert 0 < kept <= size * budget(20_000, opt.sparse_config.density_at(step))
+        assert 0 < kept <= 1.25 * budget(20_000, opt.sparse_config.density_at(step)) + 3 * size
         (view,) = [v for v in opt.buckets() if v.name == bucket]
         assert agree(list(view.boundaries))  # re-cut from the gathered rows, alike
         refreshes.append(opt.stats().global_refreshes)

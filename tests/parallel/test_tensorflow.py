@@ -286,7 +286,8 @@ def test_a_reused_step_is_one_alltoall_and_one_allgather(graph, collective_count
             tf.constant(before) + tf.cast(grad, tf.float64), op=hvd.Sum, name=f"{name}.r.{step}"
         )
         np.testing.assert_allclose(lhs.numpy(), rhs.numpy(), rtol=0, atol=1e-4)
-        assert 0 < int(tf.math.count_nonzero(out)) <= size * k
+        # Each owner keeps at most its share of 1.25 k rows on a reused step.
+        assert 0 < int(tf.math.count_nonzero(out)) <= 1.25 * k + 3 * size
         assert_identical([out], f"{name}.{step}")
         before = after.numpy().astype(np.float64)
         if step == 0 and graph:  # a first call that creates variables traces twice

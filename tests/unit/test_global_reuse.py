@@ -26,22 +26,37 @@ def test_next_threshold_is_the_kth_gathered_magnitude_or_scaled_down():
     assert int(reuse.threshold(ops, keys, 2, exact)) == key_of(4.0)
     assert reuse.refreshed
     # Gathered 3 >= k = 2 rows: the next key is the 2nd largest gathered magnitude.
-    reuse.observe(ops, to(np.array([-7.0, 6.0, 0.5], np.float32)), 2)
+    reuse.observe(ops, to(np.array([-7.0, 6.0, 0.5], np.float32)), 2, own_rows=3)
     assert int(reuse.key) == key_of(6.0)
     assert reuse.due  # 3 rows is above the band's 1.25 k = 2.5
     reuse.due = False
     # Gathered 1 < k = 2: the key used, scaled by 1/2.
-    reuse.observe(ops, to(np.array([6.5], np.float32)), 2)
+    reuse.observe(ops, to(np.array([6.5], np.float32)), 2, own_rows=1)
     assert int(reuse.key) == key_of(3.0)
     assert reuse.due  # 1 row is below the band's 0.8 k
     # Within the band, the next step reuses until refresh_steps steps have passed.
     for age in range(3, 6):  # steps since the refresh, this one included
         reuse.due = False
-        reuse.observe(ops, to(np.array([9.0, 8.0], np.float32)), 2)
+        reuse.observe(ops, to(np.array([9.0, 8.0], np.float32)), 2, own_rows=2)
         assert reuse.due == (age >= 4)
     # A per-owner cap raises the threshold so at most `cap` keys pass.
     capped = ReusedGlobalThreshold.capped(ops, keys, to(np.array(1, np.int32)), 2)
     assert int(capped) == key_of(4.0)
+
+
+@pytest.mark.parametrize(
+    ("own_rows", "gathered", "cap"), [(3, 3, 3), (1, 3, 2), (0, 3, 1), (30, 40, 2)]
+)
+def test_an_owners_row_cap_is_its_smoothed_share_of_a_quarter_more_than_k(own_rows, gathered, cap):
+    """cap = ceil(1.25 k (own + 1) / (gathered + 1)), k = 2: the owner that sent every
+    row may send 1.25 k; one that sent none still 1."""
+    ops, to, _ = _torch_backend()
+    reuse = ReusedGlobalThreshold(refresh_steps=4)
+    keys = ops.magnitude_keys(to(np.array([5.0, -4.0, 3.0], np.float32)))
+    reuse.threshold(ops, keys, 2, lambda: global_threshold_key(ops, keys, 2, "t", OneRank()))
+    reuse.observe(ops, to(np.linspace(1.0, 2.0, gathered, dtype=np.float32)), 2, own_rows)
+    assert reuse.row_cap == cap
+    assert reuse.row_cap == int(np.ceil(1.25 * 2 * (own_rows + 1) / (gathered + 1)))
 
 
 def test_one_rank_reuse_keeps_residual_plus_result_equal_to_the_accumulator():
