@@ -5,6 +5,7 @@ table and a PNG plot (default under results/allreduce.*).
 
     python benchmarks/allreduce.py [--sizes 1M,4M,16M,64M] [--densities 0.001,0.01,0.1]
                                    [--ranks 2,4] [--repeats 5] [--global-selection exact,reuse]
+                                   [--threads 1]
 
 ``--global-selection`` times each sparse density once per way of finding the global
 threshold (the exact radix select, and the threshold reused from the last all-gather),
@@ -33,14 +34,19 @@ def parse_size(text: str) -> int:
 
 
 def worker(
-    sizes: list[int], densities: list[float], globals_: list[str], repeats: int, out: str
+    sizes: list[int],
+    densities: list[float],
+    globals_: list[str],
+    repeats: int,
+    out: str,
+    threads: int = 1,
 ) -> None:
     """Runs on every rank: time dense and sparse allreduce of the same tensors."""
     import horovod.torch as hvd
     import torch
 
     hvd.init()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     rows = []
     for numel in sizes:
         rows += measure_size(numel, densities, globals_, repeats)
@@ -189,6 +195,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--global-selection", default="exact,reuse")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per rank (local work only)"
+    )
     parser.add_argument("--out", default=str(ROOT / "results" / "allreduce"))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -196,7 +205,7 @@ def main() -> None:
     densities = [float(d) for d in args.densities.split(",")]
     globals_ = args.global_selection.split(",")
     if args.worker:
-        worker(sizes, densities, globals_, args.repeats, args.worker)
+        worker(sizes, densities, globals_, args.repeats, args.worker, args.threads)
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -220,6 +229,8 @@ def main() -> None:
             str(args.repeats),
             "--global-selection",
             args.global_selection,
+            "--threads",
+            str(args.threads),
             "--worker",
             str(part),
         ]
