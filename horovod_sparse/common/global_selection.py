@@ -121,6 +121,12 @@ class ReusedGlobalThreshold:
         # Whether the current step refreshed: a host bool, or a graph bool under TF.
         self.refreshed: Any = True
 
+    def bind(self, ops: Backend, keys: Tensor) -> None:
+        """Make the cells if this is the first step (``keys``: a bucket's magnitude keys,
+        for the key's type and device), so that :meth:`due_for` reads them: in a traced
+        TF step, a graph value of the due flag rather than the first trace's True."""
+        self._state(ops, keys)
+
     def _state(self, ops: Backend, keys: Tensor) -> tuple[Cell, Cell, Cell, Cell, Cell]:
         if self._cells is None:
             self._cells = (ops.cell(0, keys), ops.cell(True), ops.cell(0), ops.cell(0), ops.cell(0))

@@ -404,11 +404,19 @@ class BucketReducer:
         keys = ops.magnitude_keys(sums)
         return OwnedSums(region_indices, sums, keys, began, received, ops.clock(keys))
 
-    def refresh_due(self) -> Any:
+    def refresh_due(self, owned: OwnedSums | None = None) -> Any:
         """Whether this step's global threshold comes from the exact radix select: every
-        step with ``global_selection="exact"``, on refresh steps with ``"reuse"``."""
+        step with ``global_selection="exact"``, on refresh steps with ``"reuse"``.
+
+        ``owned``: this step's owner sums, when received; the reused threshold's state
+        is then made first if this is the first step, so that under TF the answer is a
+        graph value read from its cells (a host True without them)."""
         reuse = self.reused_threshold
-        return True if reuse is None else reuse.due_for(self.k)
+        if reuse is None:
+            return True
+        if owned is not None:
+            reuse.bind(self.ops, owned.keys)
+        return reuse.due_for(self.k)
 
     def gather(self, owned: OwnedSums, exact_key: Tensor | None = None) -> GatherInFlight:
         """Global selection, global residual collection and the all-gather launch.

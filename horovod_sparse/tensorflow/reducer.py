@@ -18,7 +18,13 @@ from horovod_sparse.common.buckets import Bucket, plan_model
 from horovod_sparse.common.config import SparseConfig, optimizer_scales
 from horovod_sparse.common.correction import adam_direction, sgd_direction
 from horovod_sparse.common.fusion import FusionMember, plan_dense_runs
-from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer
+from horovod_sparse.common.global_selection import grouped_threshold_keys
+from horovod_sparse.common.pipeline import (
+    BucketReducer,
+    DenseBucketReducer,
+    GatherInFlight,
+    ScatterInFlight,
+)
 from horovod_sparse.common.stats import StepStats, allreduce_ring_bytes
 from horovod_sparse.common.step import StepRecord
 from horovod_sparse.tensorflow.backend import TFBackend
@@ -216,17 +222,88 @@ def _exchange(
     """One kind of step of a sparse bucket: ``(result, counts, residual, velocity)``,
     returned rather than left on the reducer, so a ``tf.cond`` branch can hand them out.
     (A branch without a velocity returns the residual in its place.)"""
+    stage = _begin(reducer, flat, residual, velocity, dense, prescale)
+    return _end(state, reducer, reducer.reduce_and_gather(stage), flat, velocity, postscale)
+
+
+def _begin(
+    reducer: BucketReducer,
+    flat: tf.Tensor,
+    residual: tf.Tensor,
+    velocity: tf.Tensor | None,
+    dense: bool,
+    prescale: float,
+) -> ScatterInFlight | GatherInFlight:
+    """The first stage of a sparse bucket's step of one kind, from ``residual``."""
     reducer.residual = residual
     reducer.velocity = velocity
-    inflight = reducer.reduce_and_gather(reducer.start(flat, prescale, dense=dense))
+    return reducer.start(flat, prescale, dense=dense)
+
+
+def _end(
+    state: BucketState,
+    reducer: BucketReducer,
+    inflight: GatherInFlight,
+    flat: tf.Tensor,
+    velocity: tf.Tensor | None,
+    postscale: float,
+) -> tuple[Any, ...]:
+    """The result of a sparse bucket's step once its all-gather (or dense allreduce) is
+    launched: ``(result, counts, residual, velocity)`` as :func:`_exchange` hands out."""
     result = reducer.finish(inflight, flat, postscale)
     record = reducer.last_record
-    if not dense:
+    if not record.dense:
         state.traced = StepRecord(
             row_bytes=record.row_bytes, gather_row_bytes=record.gather_row_bytes
         )
     masked = reducer.velocity if velocity is not None else reducer.residual
     return result, _counts_vector(record), reducer.residual, masked
+
+
+def _exchange_sparse_together(
+    items: Sequence[tuple[BucketState, BucketReducer, tf.Tensor, tf.Tensor | None]],
+    prescale: float,
+    postscale: float,
+) -> list[tuple[Any, ...]]:
+    """The sparse steps of buckets that are sparse on every step (no warm-up, no decay,
+    so no ``tf.cond`` on their kind), with their global-threshold refreshes grouped:
+    every reduce-scatter is received first, then one ``tf.cond`` on whether any of them
+    refreshes runs all their radix selects together (one allreduce of every bucket's
+    histogram per digit, :func:`grouped_threshold_keys`), and each bucket takes its key
+    where its own threshold refreshes. A step where none refreshes runs none of it.
+
+    Sends: per bucket one alltoall and one allgather; 4 allreduces in all on a step
+    where any bucket refreshes. Per bucket, as :func:`_exchange` hands it out.
+    """
+    stages = [
+        _begin(reducer, flat, tf.convert_to_tensor(state.residual), velocity, False, prescale)
+        for state, reducer, flat, velocity in items
+    ]
+    reducers = [reducer for _, reducer, _, _ in items]
+    owned = []
+    for reducer, stage in zip(reducers, stages):
+        assert isinstance(stage, ScatterInFlight), "a sparse step scatters"
+        owned.append(reducer.receive(stage))
+    due = [tf.convert_to_tensor(r.refresh_due(sums)) for r, sums in zip(reducers, owned)]
+
+    def grouped() -> list[tf.Tensor]:
+        keys = grouped_threshold_keys(
+            BACKEND,
+            [sums.keys for sums in owned],
+            [reducer.k for reducer in reducers],
+            f"{reducers[0].name}.refresh",
+            reducers[0].process_set,
+        )
+        return [tf.cast(key, sums.keys.dtype) for key, sums in zip(keys, owned)]
+
+    def unused() -> list[tf.Tensor]:  # no bucket refreshes: no key is read
+        return [tf.zeros([], sums.keys.dtype) for sums in owned]
+
+    keys = BACKEND.cond(tf.reduce_any(tf.stack(due)), grouped, unused)
+    return [
+        _end(state, reducer, reducer.gather(sums, key), flat, velocity, postscale)
+        for (state, reducer, flat, velocity), sums, key in zip(items, owned, keys)
+    ]
 
 
 def _exchange_dense_bucket(
@@ -418,14 +495,27 @@ class GradientReducer:
         return out
 
     def _exchange_all(self, corrected: list[tuple[Any, Any, list[Any]]]) -> list[Outputs]:
-        """Every bucket's step. The buckets of :attr:`fused_runs` take one ``tf.cond``
-        on the schedule: on a step where all of them are dense, one allreduce per run
+        """Every bucket's step. Buckets that are sparse on every step exchange together
+        (:func:`_exchange_sparse_together`: their threshold refreshes share their
+        allreduces). Otherwise the buckets of :attr:`fused_runs` take one ``tf.cond`` on
+        the schedule: on a step where all of them are dense, one allreduce per run
         (:meth:`_exchange_run`); otherwise each its own step, dense or sparse."""
-        fused = [i for run in self.fused_runs for i in run]
         outputs: list[Any] = [None] * len(self.buckets)
+        together = self._always_sparse()
+        # A run's members share the config and the step count: all of them are sparse
+        # on every step (and exchanged together below), or none is.
+        fused = [i for run in self.fused_runs for i in run if i not in together]
         for i, ((_, _, state), (flat, velocity, _)) in enumerate(zip(self.buckets, corrected)):
-            if i not in fused:
+            if i not in fused and i not in together:
                 outputs[i] = _exchange_bucket(state, flat, velocity, self.prescale, self.postscale)
+        if together:
+            items = [
+                (self.buckets[i][2], self._sparse_reducer(i), *corrected[i][:2]) for i in together
+            ]
+            done = _exchange_sparse_together(items, self.prescale, self.postscale)
+            for i, (result, counts, residual, masked) in zip(together, done):
+                velocity = corrected[i][1]
+                outputs[i] = (result, counts, residual, masked if velocity is not None else None)
         if not fused:
             return outputs
 
@@ -442,8 +532,10 @@ class GradientReducer:
                 for i in fused
             ]
 
-        def together() -> list[tuple[Any, ...]]:
-            return [part for run in self.fused_runs for part in self._exchange_run(run, corrected)]
+        runs = [run for run in self.fused_runs if run[0] in fused]
+
+        def run_together() -> list[tuple[Any, ...]]:
+            return [part for run in runs for part in self._exchange_run(run, corrected)]
 
         # The runs' members share the config and the step count, so they are dense on
         # the same steps; every rank takes the same branch (its collectives must match).
@@ -453,7 +545,7 @@ class GradientReducer:
         else:
             all_dense = tf.reduce_all(tf.stack([tf.convert_to_tensor(f) for f in flags]))
         for i, (result, counts, residual, masked) in zip(
-            fused, BACKEND.cond(all_dense, together, apart)
+            fused, BACKEND.cond(all_dense, run_together, apart)
         ):
             velocity = corrected[i][1]
             outputs[i] = (result, counts, residual, masked if velocity is not None else None)
@@ -510,6 +602,18 @@ class GradientReducer:
                 (piece, _counts_vector(record), cleared, cleared if velocity is None else velocity)
             )
         return done
+
+    def _always_sparse(self) -> list[int]:
+        """The sparse buckets whose every step is sparse (their ``dense_step`` is a host
+        False: no warm-up, no decay, no density 1), when there are two or more of them:
+        their threshold refreshes are grouped (:func:`_exchange_sparse_together`), and
+        dense-step fusion has no dense step to fuse."""
+        members = [
+            i
+            for i, (_, _, state) in enumerate(self.buckets)
+            if isinstance(state.reducer, BucketReducer) and state.reducer.dense_step is False
+        ]
+        return members if len(members) >= 2 else []
 
     def _sparse_reducer(self, position: int) -> BucketReducer:
         reducer = self.buckets[position][2].reducer

@@ -616,6 +616,40 @@ def test_gradient_tape_density_one_matches_horovod_tape():
         assert float(tf.norm(a - b) / tf.norm(b)) < 1e-6
 
 
+@pytest.mark.parametrize("global_selection", ["reuse", "exact"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_buckets_refreshing_together_share_four_allreduces(
+    graph, global_selection, collective_counts
+):
+    """Three sparse buckets on one tape: a step on which any threshold refreshes runs
+    their radix selects together (4 allreduces in all, not 4 per bucket), a reused step
+    none; each bucket still issues one alltoall and one allgather. (The grouped keys
+    equal separate selects: tests/unit/test_global_reuse.py.)"""
+    name = f"group.{global_selection}.{graph}"
+    grouped = fusion_tape(name, graph, global_selection=global_selection, refresh_steps=4)
+    before, refreshes = None, []
+    for step in range(10):
+        grads = fusion_grads(step)
+        start = {kind: int(c.numpy()) for kind, c in collective_counts.items()}
+        got = grouped(*grads)
+        issued = {kind: int(c.numpy()) - start[kind] for kind, c in collective_counts.items()}
+        reducer = tape_reducer(name)
+        refreshed = reducer.stats().global_refreshes
+        refreshes.append(refreshed)
+        assert reducer.stats().sparse_buckets == 3
+        # The dense bucket's allreduce, plus 4 for the sparse ones on a refresh step.
+        assert issued["alltoall_async"] == 3 and issued["allgather_async"] == 3, issued
+        assert issued["allreduce_sum_async"] == 1 + (4 if refreshed else 0), (step, issued)
+        if before is None:
+            before = {n: np.zeros_like(r) for n, r in residuals_by_bucket(reducer).items()}
+        before = assert_mass_kept(reducer, before, grads, got, f"{name}.m.{step}")
+        assert_identical(got, f"{name}.{step}")
+    if global_selection == "exact":
+        assert refreshes == [3] * 10  # every bucket, every step, in one radix select
+    else:
+        assert refreshes[0] == 3 and 0 in refreshes, refreshes
+
+
 def test_gradient_tape_matches_reference_and_keeps_local_sources():
     keras.utils.set_random_seed(5)
     layer = keras.layers.Dense(200, use_bias=False)
