@@ -71,7 +71,8 @@ def main() -> None:
     numel = sum(p.numel() for p in model.parameters())
     x, y = make_data(hvd.rank(), 16, args.batch_size, features, classes)
 
-    losses, moved = [], []
+    losses, moved, sent_bytes, message_steps = [], [], [], []
+    ring = hvd.size() - 1  # a ring collective's message steps, in units of P - 1
     start = time.perf_counter()
     for step in range(args.steps):
         xb, yb = x[step % len(x)], y[step % len(y)]
@@ -82,10 +83,17 @@ def main() -> None:
         losses.append(hvd.allreduce(loss.detach(), name="loss").item())
         if args.density >= 1.0:
             sent, received = allreduce_ring_bytes(numel, hvd.size(), 4)
+            steps = 2 * ring  # Horovod fuses every gradient into one ring allreduce
         else:
             s = optimizer.stats()
             sent, received = s.bytes_sent, s.bytes_received
+            # An alltoall and an allgather per sparse bucket, 4 histogram allreduces on
+            # a step where a threshold refreshes, one allreduce for the dense buckets.
+            refresh = 4 if s.global_refreshes else 0
+            steps = ring * (2 * s.sparse_buckets + 2 * refresh + (2 if s.dense_buckets else 0))
         moved.append(sent + received)
+        sent_bytes.append(sent)
+        message_steps.append(steps)
         if hvd.rank() == 0 and (step % 25 == 0 or step == args.steps - 1):
             print(
                 f"[{mode}] step {step:4d} loss {losses[-1]:.4f} bytes/step {moved[-1]:,}",
@@ -99,8 +107,10 @@ def main() -> None:
         "world_size": hvd.size(),
         "parameters": numel,
         "steps": args.steps,
-        "final_loss": sum(losses[-10:]) / 10,
+        "final_loss": sum(losses[-10:]) / len(losses[-10:]),
         "bytes_per_step": sum(moved) / len(moved),
+        "bytes_sent_per_step": sum(sent_bytes) / len(sent_bytes),
+        "message_steps_per_step": sum(message_steps) / len(message_steps),
         "dense_bytes_per_step": dense_sent + dense_received,
         "seconds": elapsed,
     }
