@@ -12,6 +12,12 @@ Example:
 The Keras 3 optimizer lives in :mod:`horovod_sparse.tensorflow.keras`.
 """
 
+# ruff: noqa: E402  (the check below runs before any import of Horovod)
+
+from horovod_sparse.requirements import require_horovod
+
+require_horovod("tensorflow")  # a clear error, before any module imports horovod.tensorflow
+
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.tensorflow.functions import (
     reset_residuals,

@@ -10,6 +10,12 @@ Example:
     ... )
 """
 
+# ruff: noqa: E402  (the check below runs before any import of Horovod)
+
+from horovod_sparse.requirements import require_horovod
+
+require_horovod("torch")  # a clear error, before any module imports horovod.torch
+
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.torch.functions import (
     SparseHandle,
