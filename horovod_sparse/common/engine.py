@@ -425,6 +425,10 @@ class Engine:
         for name, reducer in zip(self.names, self.sparse):
             reducer.step, boundaries, _, threshold = theirs[name]
             reducer.boundaries = list(boundaries)
+            if threshold is not None and reducer.reused_threshold is not None:
+                # The row cap is this owner's own share, not the other rank's; a rank
+                # that has none yet (0) takes k for its next reused step.
+                threshold = {**threshold, "cap": int(reducer.reused_threshold.row_cap)}
             reducer.restore_global_threshold(threshold)
         if self.scheduler is not None:
             for choice, name in zip(self.scheduler.choices, self.names):

@@ -244,5 +244,6 @@ class ReusedGlobalThreshold:
         self._cells[1].set(bool(state["due"]))
         self._cells[2].set(int(state["age"]))
         self._cells[3].set(int(state.get("k", 0)))  # none saved: refresh
-        # A checkpoint from before the share cap: k per owner, as it then was.
-        self._cells[4].set(int(state.get("cap", state.get("k", 0))))
+        # No cap of this owner's own (a checkpoint from before the share cap, or a rank
+        # adopting another's state before its first step): k rows, as it then was.
+        self._cells[4].set(int(state.get("cap") or state.get("k", 0)))

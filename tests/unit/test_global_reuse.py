@@ -100,3 +100,17 @@ def test_grouped_radix_selects_equal_each_bucket_alone(framework):
     for v, k, key in zip(values, ks, grouped):
         magnitudes = np.sort(np.abs(v))[::-1]
         assert int(key) == key_of(float(magnitudes[k - 1]))
+
+
+@pytest.mark.parametrize(("saved_cap", "expected"), [(5, 5), (0, 7), (None, 7)])
+def test_a_restored_cap_is_the_saved_one_or_k(saved_cap, expected):
+    """A checkpoint carries this owner's cap; one without (older, or another rank's state
+    adopted before this rank's first step: cap 0) gives k, the earlier per-owner bound."""
+    ops, to, _ = _torch_backend()
+    state = {"key": key_of(4.0), "due": False, "age": 2, "k": 7}
+    if saved_cap is not None:
+        state["cap"] = saved_cap
+    reuse = ReusedGlobalThreshold(refresh_steps=4)
+    reuse.load_state_dict(ops, state, ops.magnitude_keys(to(np.zeros(1, np.float32))))
+    assert reuse.row_cap == expected
+    assert int(reuse.key) == key_of(4.0) and not reuse.due
