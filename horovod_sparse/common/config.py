@@ -101,6 +101,9 @@ class SparseConfig:
             the band; no collective on the other steps) or ``"exact"`` (a radix
             select, 4 histogram allreduces every sparse step).
         refresh_steps: steps between exact refreshes of a reused global threshold.
+        log_every: print one line of the step's figures (density, bytes against dense,
+            exchange seconds, refreshes) on the process set's first rank every this many
+            steps; 0 prints nothing (PyTorch).
     """
 
     density: float = 0.01
@@ -121,6 +124,7 @@ class SparseConfig:
     trace: str | None = None
     global_selection: str = "reuse"
     refresh_steps: int = 32
+    log_every: int = 0
 
     def __post_init__(self) -> None:
         _check_density(self.density)
@@ -132,7 +136,7 @@ class SparseConfig:
         _check_choice("momentum_correction", self.momentum_correction, (None, True, False))
         for knob in ("reestimate_steps", "repartition_steps", "scheduler_steps", "refresh_steps"):
             _check_at_least(knob, getattr(self, knob), 1)
-        for knob in ("min_sparse_numel", "warmup_steps", "density_decay_steps"):
+        for knob in ("min_sparse_numel", "warmup_steps", "density_decay_steps", "log_every"):
             _check_at_least(knob, getattr(self, knob), 0)
         for knob in ("fusion_threshold_bytes", "dense_fusion_bytes"):
             if getattr(self, knob) is not None:

@@ -97,6 +97,8 @@ class Engine:
         arenas: Sequence[Tensor] = (),
         members: Sequence[int] = (),
         trace: Trace | None = None,
+        progress: Callable[[int, StepStats], None] | None = None,
+        progress_every: int = 0,
     ) -> None:
         self.ops = ops
         self.names = list(names)
@@ -107,6 +109,11 @@ class Engine:
         self.arenas = list(arenas)
         self.members = list(members) or [1] * len(self.reducers)
         self.trace = trace
+        # ``log_every``: called with the step count and the step's figures every
+        # ``progress_every`` finished steps (None on ranks that print nothing).
+        self.progress = progress
+        self.progress_every = progress_every
+        self.finished_steps = 0
         self.prescale = 1.0
         self.postscale = 1.0
         self.kinds: list[StepKind] = []
@@ -340,6 +347,10 @@ class Engine:
         """Keep every bucket's record of the finished step (no device read) and feed an
         automatic scheduler each sparse bucket's host seconds."""
         self.records = [(r, r.last_record) for r in self.reducers]
+        self.finished_steps += 1
+        every = self.progress_every
+        if self.progress is not None and every and self.finished_steps % every == 0:
+            self.progress(self.finished_steps, self.stats())  # reads the records' scalars
         if self.scheduler is None:
             return
         for choice, reducer in zip(self.scheduler.choices, self.sparse):

@@ -90,3 +90,16 @@ class StepStats:
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         self.density = self.selected / self.numel if self.numel else 0.0
         return self
+
+
+def progress_line(step: int, stats: StepStats, target_density: float) -> str:
+    """One line of a step's figures, for ``log_every``: achieved against target density,
+    bytes against a dense allreduce, the exchange's host seconds, refreshing buckets."""
+    moved = stats.bytes_sent + stats.bytes_received
+    versus_dense = moved / stats.dense_bytes if stats.dense_bytes else 0.0
+    return (
+        f"[horovod_sparse] step {step}: density {stats.density:.4f} (target "
+        f"{target_density:g}), {moved:,} bytes ({versus_dense:.2%} of dense), exchange "
+        f"{stats.seconds_exchange * 1e3:.1f} ms, {stats.sparse_buckets} sparse / "
+        f"{stats.dense_buckets} dense buckets, {stats.global_refreshes} refreshed"
+    )

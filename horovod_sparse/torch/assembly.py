@@ -8,6 +8,7 @@ engine over all of them, and momentum correction's buffers over the sparse bucke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import horovod.torch as hvd
@@ -19,6 +20,7 @@ from horovod_sparse.common.engine import Engine, Reducer
 from horovod_sparse.common.fusion import DenseFusion
 from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer
 from horovod_sparse.common.scheduler import AutoScheduler
+from horovod_sparse.common.stats import StepStats, progress_line
 from horovod_sparse.common.trace import Trace
 from horovod_sparse.torch.functions import BACKEND
 from horovod_sparse.torch.momentum import Correction
@@ -65,8 +67,20 @@ def build_engine(
         arenas=arenas,
         members=[len(ps) for ps in params],
         trace=Trace(config.trace, process_set.rank()) if config.trace is not None else None,
+        progress=_printer(config.density) if process_set.rank() == 0 else None,
+        progress_every=config.log_every,
     )
     return engine, buckets, params
+
+
+def _printer(target_density: float) -> Callable[[int, StepStats], None]:
+    """``log_every``'s output: one line per logged step on stdout, flushed at once so
+    that ``horovodrun`` shows it as it happens."""
+
+    def show(step: int, stats: StepStats) -> None:
+        print(progress_line(step, stats, target_density), flush=True)
+
+    return show
 
 
 def make_reducer(

@@ -339,3 +339,43 @@ def test_subclassing_the_mixin():
     assert_identical_on_all_ranks(model, "subclass")
     wrapped = hvds.DistributedOptimizer(torch.optim.Adam(mlp().parameters()))
     assert isinstance(wrapped, torch.optim.Adam) and type(wrapped).__name__ == "SparseAdam"
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronize", "overlap_allgather"])
+def test_log_every_prints_the_step_figures_on_the_first_rank(capsys, overlap):
+    """``log_every=3``: one line at steps 3 and 6 of 7, on rank 0 only, with the figures
+    ``stats()`` gives for that step."""
+    model = mlp()
+    opt = hvds.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        model.named_parameters(),
+        density=0.05,
+        min_sparse_numel=256,
+        log_every=3,
+        overlap_allgather=overlap,
+        model=model if overlap else None,
+    )
+    capsys.readouterr()
+    expected = []
+    for step in range(1, 8):
+        x, y = batch(step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if overlap:
+            opt.flush()  # the step's all-gathers finish here: its record is complete
+        if step % 3 == 0:
+            s = opt.stats()
+            moved = s.bytes_sent + s.bytes_received
+            expected.append(
+                f"[horovod_sparse] step {step}: density {s.density:.4f} (target 0.05), "
+                f"{moved:,} bytes ({moved / s.dense_bytes:.2%} of dense), exchange "
+            )
+    lines = [line for line in capsys.readouterr().out.splitlines() if "[horovod_sparse]" in line]
+    if hvd.rank() == 0:
+        assert len(lines) == 2, lines
+        for line, start in zip(lines, expected):
+            assert line.startswith(start), (line, start)
+            assert line.endswith("refreshed")
+    else:
+        assert lines == []

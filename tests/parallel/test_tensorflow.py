@@ -307,6 +307,7 @@ def test_options_tensorflow_does_not_act_on_are_refused():
         (dict(dense_fusion_bytes=1024), "dense_fusion_bytes=1024 does not apply"),
         (dict(scheduler="auto"), "scheduler='auto' does not apply"),
         (dict(trace="t.json"), "trace='t.json' does not apply"),
+        (dict(log_every=5), "log_every=5 does not apply"),
     ]:
         with pytest.raises(ValueError, match=match):
             hvds.sparse_allreduce(tf.ones([10]), name="bad", **bad)
