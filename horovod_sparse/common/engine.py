@@ -22,7 +22,7 @@ from typing import Any, Union
 
 from horovod_sparse.common.backend import Backend, Tensor
 from horovod_sparse.common.fusion import DenseFusion, FusedPart
-from horovod_sparse.common.global_selection import grouped_threshold_keys
+from horovod_sparse.common.global_selection import ReusedGlobalThreshold, grouped_threshold_keys
 from horovod_sparse.common.handle import BucketHandle
 from horovod_sparse.common.pipeline import (
     BucketReducer,
@@ -426,7 +426,7 @@ class Engine:
                 int(r.step),
                 list(r.boundaries),
                 bool(r.force_dense),
-                None if r.reused_threshold is None else r.reused_threshold.state_dict(self.ops),
+                None if r.reused_threshold is None else _shared_part(r.reused_threshold, self.ops),
             )
             for name, r in zip(self.names, self.sparse)
         }
@@ -437,8 +437,8 @@ class Engine:
             reducer.step, boundaries, _, threshold = theirs[name]
             reducer.boundaries = list(boundaries)
             if threshold is not None and reducer.reused_threshold is not None:
-                # The row cap is this owner's own share, not the other rank's; a rank
-                # that has none yet (0) takes k for its next reused step.
+                # The row cap is this owner's own share, not shared; a rank that has
+                # none yet (0) takes k for its next reused step.
                 threshold = {**threshold, "cap": int(reducer.reused_threshold.row_cap)}
             reducer.restore_global_threshold(threshold)
         if self.scheduler is not None:
@@ -533,3 +533,9 @@ def _copied(copy: Callable[[Tensor], Tensor], value: Any) -> Any:
 def _as_sparse(reducer: Reducer) -> BucketReducer:
     assert isinstance(reducer, BucketReducer), "fusion members are sparse buckets"
     return reducer
+
+
+def _shared_part(threshold: ReusedGlobalThreshold, ops: Backend) -> dict[str, Any]:
+    """What every rank must agree on of a reused global threshold: its saved state
+    without the row cap, which is each owner's own share."""
+    return {key: value for key, value in threshold.state_dict(ops).items() if key != "cap"}
