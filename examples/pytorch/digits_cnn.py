@@ -11,6 +11,9 @@ the learning rate scaled by the number of ranks, as Horovod recommends.
 
 ``--density 1.0`` uses Horovod's own ``hvd.DistributedOptimizer`` (the dense baseline);
 anything below uses ``horovod_sparse.torch.DistributedOptimizer`` with its defaults.
+``--log-every N`` prints the optimizer's one-line figures every N steps;
+``--tensorboard DIR`` writes ``optimizer.stats()`` to TensorBoard every step (rank 0;
+``pip install tensorboard`` first), then ``tensorboard --logdir DIR``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
 import horovod.torch as hvd
 import torch
@@ -68,6 +72,22 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return 100.0 * correct / len(y)
 
 
+def write_stats(
+    writer: Any, step: int, optimizer: Any, moved: int, dense_bytes: int, loss: float
+) -> None:
+    """One step's figures as TensorBoard scalars (this rank's loss; the exchange's
+    bytes, density and seconds from ``optimizer.stats()`` when it is horovod_sparse's)."""
+    writer.add_scalar("train/loss_rank0", loss, step)
+    writer.add_scalar("exchange/bytes", moved, step)
+    writer.add_scalar("exchange/bytes_vs_dense", moved / dense_bytes, step)
+    if hasattr(optimizer, "stats"):
+        s = optimizer.stats()
+        writer.add_scalar("exchange/density", s.density, step)
+        writer.add_scalar("exchange/seconds_exchange", s.seconds_exchange, step)
+        writer.add_scalar("exchange/seconds_select", s.seconds_select, step)
+        writer.add_scalar("exchange/global_refreshes", s.global_refreshes, step)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--density", type=float, default=0.01)
@@ -79,6 +99,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--json", default=None, help="write the curves here (rank 0)")
+    parser.add_argument(
+        "--tensorboard",
+        default=None,
+        help="write optimizer.stats() and the curves to this TensorBoard log dir (rank 0; "
+        "needs `pip install tensorboard`)",
+    )
+    parser.add_argument("--log-every", type=int, default=0, help="the optimizer's log_every")
     args = parser.parse_args()
 
     hvd.init()
@@ -99,6 +126,7 @@ def main() -> None:
             named_parameters=model.named_parameters(),
             density=args.density,
             error_feedback=not args.no_error_feedback,
+            log_every=args.log_every,
         )
         mode = f"density {args.density}" + (" no EF" if args.no_error_feedback else "")
     numel = sum(p.numel() for p in model.parameters())
@@ -108,6 +136,11 @@ def main() -> None:
     perm, cursor = torch.randperm(len(x_mine), generator=order), 0
     curve: list[dict[str, float]] = []
     moved = []
+    writer = None
+    if args.tensorboard and hvd.rank() == 0:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        writer = SummaryWriter(args.tensorboard)
     began = time.perf_counter()
     for step in range(args.steps):
         if cursor + args.batch_size > len(perm):
@@ -123,6 +156,8 @@ def main() -> None:
             if args.density >= 1.0
             else optimizer.stats().bytes_sent + optimizer.stats().bytes_received
         )
+        if writer is not None:
+            write_stats(writer, step, optimizer, moved[-1], dense_bytes, loss.item())
         last = step == args.steps - 1
         if step % args.eval_every == 0 or last:
             train_loss = hvd.allreduce(loss.detach(), name="train_loss").item()
@@ -171,6 +206,10 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(summary, f)
+    if writer is not None:
+        for point in curve:
+            writer.add_scalar("eval/test_acc", point["test_acc"], int(point["step"]))
+        writer.close()
 
 
 if __name__ == "__main__":
