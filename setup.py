@@ -18,9 +18,13 @@ setup(
     license="Apache-2.0",
     packages=find_packages(include=["horovod_sparse", "horovod_sparse.*"]),
     python_requires=">=3.9",
-    # Horovod itself is not listed: it must be built against the installed framework
-    # (see ci/bootstrap); a plain `pip install horovod` would try a second build.
+    # Horovod itself is not listed: it must be built against the installed framework, with
+    # source fixes, by `python -m horovod_sparse.build_horovod`; `pip install horovod`
+    # fails against current PyTorch and TensorFlow.
     install_requires=["numpy"],
+    entry_points={
+        "console_scripts": ["horovod-sparse-build-horovod=horovod_sparse.build_horovod:main"],
+    },
     extras_require={
         "torch": ["torch>=2.0"],
         "tensorflow": ["tensorflow>=2.16"],

@@ -15,10 +15,9 @@ __all__ = ["require_horovod"]
 _FRAMEWORKS = {"torch": ("PyTorch", "torch"), "tensorflow": ("TensorFlow", "tensorflow")}
 _HOW_TO_BUILD = (
     "Horovod 0.28.1 needs source fixes to build against current PyTorch and TensorFlow: "
-    "from a checkout of horovod_sparse, `bash ci/bootstrap` builds it (with Gloo, PyTorch "
-    "and TensorFlow) into the checkout's .venv; ci/bootstrap lists the fixes, to build it "
-    "into another environment with HOROVOD_WITH_{env}=1 HOROVOD_WITH_GLOO=1. "
-    "`horovodrun --check-build` shows what a build supports."
+    "`python -m horovod_sparse.build_horovod` builds it into this environment for the "
+    "frameworks installed here, with Gloo, and with CUDA when PyTorch is a CUDA build and "
+    "nvcc is found. `horovodrun --check-build` shows what a build supports."
 )
 
 
@@ -39,7 +38,7 @@ def require_horovod(framework: str) -> None:
     except ImportError as error:
         raise ImportError(
             f"horovod_sparse.{framework} needs Horovod, which is not installed {where}. "
-            + _HOW_TO_BUILD.format(env=framework.upper())
+            + _HOW_TO_BUILD
         ) from error
     try:
         importlib.import_module(f"horovod.{framework}")
@@ -48,5 +47,5 @@ def require_horovod(framework: str) -> None:
         raise ImportError(
             f"horovod_sparse.{framework} needs Horovod built with {name}, but the Horovod "
             f"{version} {where} has no working horovod.{framework} ({error}). "
-            + _HOW_TO_BUILD.format(env=framework.upper())
+            + _HOW_TO_BUILD
         ) from error
