@@ -46,6 +46,5 @@ def require_horovod(framework: str) -> None:
         version = getattr(horovod, "__version__", "?")
         raise ImportError(
             f"horovod_sparse.{framework} needs Horovod built with {name}, but the Horovod "
-            f"{version} {where} has no working horovod.{framework} ({error}). "
-            + _HOW_TO_BUILD
+            f"{version} {where} has no working horovod.{framework} ({error}). " + _HOW_TO_BUILD
         ) from error

@@ -25,7 +25,7 @@ from horovod_sparse.common.pipeline import (
     GatherInFlight,
     ScatterInFlight,
 )
-from horovod_sparse.common.stats import StepStats, allreduce_ring_bytes
+from horovod_sparse.common.stats import StepStats, allreduce_ring_bytes, progress_line
 from horovod_sparse.common.step import StepRecord
 from horovod_sparse.tensorflow.backend import TFBackend
 
@@ -60,6 +60,7 @@ TF_OPTIONS = frozenset(
         "momentum_correction",
         "global_selection",
         "refresh_steps",
+        "log_every",
     )
 )
 
@@ -91,8 +92,11 @@ class BucketState:
     # figures stored in ``counts``.
     traced: StepRecord = field(default_factory=StepRecord)
 
-    def stats(self) -> StepStats:
-        return self.reducer.stats_of(self.traced.with_numbers(self.counts.numpy().tolist()))
+    def stats(self, numbers: Sequence[float] | None = None) -> StepStats:
+        """The last step's figures: ``numbers`` (the counts as read in a step), or the
+        counts variable's."""
+        values = self.counts.numpy().tolist() if numbers is None else numbers
+        return self.reducer.stats_of(self.traced.with_numbers(values))
 
 
 def make_counts_variable() -> tf.Variable:
@@ -432,6 +436,13 @@ class GradientReducer:
                 self.corrected_positions.update(positions)
             self.buckets.append((bucket, positions, state))
         self.fused_runs = self._plan_fusion(compression)
+        # log_every: reductions counted in a variable (a traced step counts too); rank 0
+        # of the process set prints every log_every-th.
+        self._reductions: tf.Variable | None = None
+        self._prints = process_set.rank() == 0
+        if config.log_every:
+            with tf.init_scope():
+                self._reductions = tf.Variable(0, dtype=tf.int64, trainable=False)
 
     def _plan_fusion(self, compression: Any) -> list[list[int]]:
         """Dense-step fusion (:mod:`~horovod_sparse.common.fusion`): runs of adjacent
@@ -492,7 +503,29 @@ class GradientReducer:
             pieces = tf.split(result, [e.numel for e in bucket.entries])
             for p, piece in zip(positions, pieces):
                 out[p] = tf.reshape(piece, tf.shape(dense[p]))
+        if self._reductions is not None:
+            self._log_progress(self._reductions.assign_add(1))
         return out
+
+    def _log_progress(self, step: tf.Tensor) -> None:
+        """Print :func:`progress_line` on every ``log_every``-th reduction. The step's
+        counts go in as inputs, so they are read after this step stored them."""
+        counts = [state.counts.read_value() for _, _, state in self.buckets]
+
+        def show(step: tf.Tensor, *numbers: tf.Tensor) -> tf.Tensor:
+            total = StepStats()
+            for (_, _, state), values in zip(self.buckets, numbers):
+                total += state.stats(values.numpy().tolist())
+            if self._prints:
+                print(progress_line(int(step), total, self.config.density), flush=True)
+            return step
+
+        # Stateful, so a traced step runs it though nothing reads the result.
+        tf.cond(
+            tf.equal(step % self.config.log_every, 0),
+            lambda: tf.py_function(show, [step, *counts], tf.int64),
+            lambda: step,
+        )
 
     def _exchange_all(self, corrected: list[tuple[Any, Any, list[Any]]]) -> list[Outputs]:
         """Every bucket's step. Buckets that are sparse on every step exchange together

@@ -301,6 +301,33 @@ def test_a_reused_step_is_one_alltoall_and_one_allgather(graph, collective_count
         assert fn.experimental_get_tracing_count() == traces
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_log_every_prints_the_step_figures_on_the_first_rank(capsys, graph):
+    """``log_every=3`` on the tape: one line at steps 3 and 6 of 7, on rank 0 only, with
+    the figures ``stats()`` gives for that step, traced steps included."""
+    name = f"log_every.{graph}"
+    step_fn = fusion_tape(name, graph, log_every=3)
+    capsys.readouterr()
+    expected = []
+    for step in range(1, 8):
+        step_fn(*fusion_grads(step))
+        if step % 3 == 0:
+            s = tape_reducer(name).stats()
+            moved = s.bytes_sent + s.bytes_received
+            expected.append(
+                f"[horovod_sparse] step {step}: density {s.density:.4f} (target 0.05), "
+                f"{moved:,} bytes ({moved / s.dense_bytes:.2%} of dense), exchange "
+            )
+    lines = [line for line in capsys.readouterr().out.splitlines() if "[horovod_sparse]" in line]
+    if hvd.rank() == 0:
+        assert len(lines) == 2, lines
+        for line, start in zip(lines, expected):
+            assert line.startswith(start), (line, start)
+            assert line.endswith("refreshed")
+    else:
+        assert lines == []
+
+
 def test_options_tensorflow_does_not_act_on_are_refused():
     # dense_fusion_bytes joins buckets: a single tensor has none to join, as in torch.
     for bad, match in [
@@ -577,6 +604,38 @@ def test_keras_fused_warmup_follows_the_trajectory_of_separate_allreduces():
     for name, u in alone.velocity_variables().items():
         np.testing.assert_allclose(fused.velocity_variables()[name].numpy(), u.numpy(), **tolerance)
     assert_identical(models[0].trainable_variables, "kfuse")
+
+
+def test_keras_log_every_prints_on_the_first_rank_and_training_goes_on(capsys):
+    """model.fit with ``log_every=3`` for 6 steps: lines at steps 3 and 6 on rank 0 only,
+    the last with the figures of ``stats()``; every rank's graph is the same (a rank-0-only
+    branch in the traced step once hung the next collectives) and the weights agree."""
+    model = keras_fusion_model()
+    opt = hvds_keras.DistributedOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9),
+        density=0.05,
+        fusion_threshold_bytes=FUSION_BYTES,
+        log_every=3,
+    )
+    model.compile(optimizer=opt, loss="mse")
+    rng = np.random.default_rng(3 + hvd.rank())
+    x = rng.standard_normal((16 * 6, 64)).astype(np.float32)
+    y = rng.standard_normal((16 * 6, 48)).astype(np.float32)
+    capsys.readouterr()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "[horovod_sparse]" in line]
+    s = opt.stats()
+    moved = s.bytes_sent + s.bytes_received
+    if hvd.rank() == 0:
+        assert len(lines) == 2, lines
+        assert lines[0].startswith("[horovod_sparse] step 3: density "), lines
+        assert lines[1].startswith(
+            f"[horovod_sparse] step 6: density {s.density:.4f} (target 0.05), "
+            f"{moved:,} bytes ({moved / s.dense_bytes:.2%} of dense), exchange "
+        ), lines
+    else:
+        assert lines == []
+    assert_identical(model.trainable_variables, "klog")
 
 
 def make_model(seed=3):
