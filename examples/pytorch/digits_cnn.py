@@ -88,7 +88,7 @@ def write_stats(
         writer.add_scalar("exchange/global_refreshes", s.global_refreshes, step)
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--no-error-feedback", action="store_true", help="ablation")
@@ -106,8 +106,11 @@ def main() -> None:
         "needs `pip install tensorboard`)",
     )
     parser.add_argument("--log-every", type=int, default=0, help="the optimizer's log_every")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Train on this rank (Horovod initialised here); return the run's summary."""
     hvd.init()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -210,6 +213,11 @@ def main() -> None:
         for point in curve:
             writer.add_scalar("eval/test_acc", point["test_acc"], int(point["step"]))
         writer.close()
+    return summary
+
+
+def main() -> None:
+    train(parse())
 
 
 if __name__ == "__main__":

@@ -67,6 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="GPU operations: auto = when PyTorch is a CUDA build and nvcc is found",
     )
     parser.add_argument(
+        "--no-nccl",
+        action="store_true",
+        help="GPU collectives through Gloo even where NCCL is found (several ranks on one GPU)",
+    )
+    parser.add_argument(
         "--cache",
         type=Path,
         default=Path(
@@ -83,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         env = probe_environment()
-        plan = plan_build(env, args.frameworks.split(",") if args.frameworks else None, args.cuda)
+        frameworks = args.frameworks.split(",") if args.frameworks else None
+        plan = plan_build(env, frameworks, args.cuda, nccl_operations=not args.no_nccl)
         gpu = (" and CUDA" if plan.cuda else "") + (" and NCCL" if plan.nccl else "")
         print(
             f"[build_horovod] Horovod {HOROVOD_VERSION} for {', '.join(plan.frameworks)} "

@@ -85,7 +85,8 @@ def build_wheel(env: Environment, plan: BuildPlan, sdist: Path, into: Path, jobs
         log = into / "build.log"
         into.mkdir(parents=True, exist_ok=True)
         print(
-            f"[build_horovod] building (about 8 minutes on 2 cores); compiler output: {log}",
+            f"[build_horovod] building (3 minutes on 2 cores for both frameworks); "
+            f"compiler output: {log}",
             flush=True,
         )
         command = [

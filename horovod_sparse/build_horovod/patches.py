@@ -9,7 +9,7 @@ from pathlib import Path
 HOROVOD_VERSION = "0.28.1"
 # Part of the cache key: bump it whenever PATCHES or the build flags change, so a cached
 # wheel built from other sources is never installed.
-PATCH_REVISION = 4
+PATCH_REVISION = 5
 
 
 class BuildError(RuntimeError):
@@ -95,6 +95,13 @@ PATCHES: tuple[SourcePatch, ...] = (
         "horovodrun checks its extensions by importing them in a forked child whose Python-level "
         "output is muted; TensorFlow's C++ start-up lines go to file descriptor 2 and reached "
         "every launch's console, PyTorch jobs included",
+    ),
+    SourcePatch(
+        "horovod/ray/worker.py",
+        "return ray.get_runtime_context().node_id.hex()",
+        "return ray.get_runtime_context().get_node_id()",
+        "RuntimeContext.node_id is deprecated (Ray 2.x warns on every RayExecutor worker and "
+        "says it may be removed); get_node_id() returns the same hex string",
     ),
     SourcePatch(
         "horovod/common/gloo/gloo_context.cc",

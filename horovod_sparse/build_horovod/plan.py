@@ -93,9 +93,14 @@ def _choose_cuda(
 
 
 def plan_build(
-    env: Environment, frameworks: Sequence[str] | None = None, cuda: str = "auto"
+    env: Environment,
+    frameworks: Sequence[str] | None = None,
+    cuda: str = "auto",
+    nccl_operations: bool = True,
 ) -> BuildPlan:
-    """Decide what to build from what is installed; raise BuildError naming what is missing."""
+    """Decide what to build from what is installed; raise BuildError naming what is missing.
+    ``nccl_operations=False`` leaves GPU collectives to Gloo even where NCCL is found
+    (NCCL refuses two ranks on one GPU)."""
     chosen = _choose_frameworks(env, frameworks)
     notes: list[str] = []
     with_cuda = _choose_cuda(env, chosen, cuda, notes)
@@ -119,13 +124,16 @@ def plan_build(
         )
         if architectures:
             variables["HOROVOD_BUILD_CUDA_CC_LIST"] = architectures
-        nccl = env.nccl_include is not None and env.nccl_library is not None
+        found = env.nccl_include is not None and env.nccl_library is not None
+        nccl = found and nccl_operations
         if nccl:
             variables.update(
                 HOROVOD_GPU_OPERATIONS="NCCL",
                 HOROVOD_NCCL_LINK="SHARED",
                 HOROVOD_NCCL_INCLUDE=str(env.nccl_include),
             )
+        elif found:
+            notes.append("NCCL operations left out (--no-nccl): GPU tensors go through Gloo")
         else:
             notes.append("NCCL not found (nccl.h and libnccl.so*): GPU tensors go through Gloo")
         versions += [f"cuda{env.cuda_version}", f"sm{architectures or 'all'}".replace(",", "-")]

@@ -94,7 +94,7 @@ def test_cpu_plan_builds_what_is_installed():
     assert plan.variables["HOROVOD_WITH_GLOO"] == "1"
     assert plan.variables["HOROVOD_CMAKE"] == "/usr/bin/cmake"
     assert "HOROVOD_GPU" not in plan.variables and plan.install_first == ()
-    assert plan.cache_key == "horovod-0.28.1-p4-cp311-torch2.13.0+cpu-tf2.21.0-cpu"
+    assert plan.cache_key == "horovod-0.28.1-p5-cp311-torch2.13.0+cpu-tf2.21.0-cpu"
 
     torch_only = plan_build(dataclasses.replace(CPU, tensorflow=None))
     assert torch_only.frameworks == ("torch",)
@@ -117,6 +117,10 @@ def test_cuda_plan_uses_nvcc_nccl_and_the_visible_architecture():
     assert plan.cache_key.endswith("-cuda13.0-sm90-nccl")
     assert plan_build(CUDA, cuda="off").variables.get("HOROVOD_GPU") is None
 
+    gloo_only = plan_build(CUDA, nccl_operations=False)
+    assert gloo_only.cuda and not gloo_only.nccl
+    assert "HOROVOD_GPU_OPERATIONS" not in gloo_only.variables
+    assert any("--no-nccl" in note for note in gloo_only.notes)
     no_nccl = plan_build(dataclasses.replace(CUDA, nccl_include=None, nccl_library=None))
     assert no_nccl.cuda and not no_nccl.nccl and "HOROVOD_GPU_OPERATIONS" not in no_nccl.variables
     assert any("NCCL not found" in note for note in no_nccl.notes)
