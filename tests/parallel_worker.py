@@ -7,7 +7,12 @@ import pytest
 
 if __name__ == "__main__":
     path, report_dir, *extra = sys.argv[1:]
-    rank = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    # horovodrun, torchrun, mpirun
+    rank = (
+        os.environ.get("HOROVOD_RANK")
+        or os.environ.get("RANK")
+        or os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+    )
     args = [
         path,
         "-q",

@@ -1,6 +1,7 @@
 """Run every ``tests/parallel/test_*.py`` under ``horovodrun`` at several world sizes.
 
-Each file is launched once per world size with ``horovodrun -np N -H localhost:N --gloo``;
+Each file is launched once per world size with ``horovodrun -np N -H localhost:N --gloo``
+(``test_ddp*.py``: ``torchrun --standalone --nproc-per-node N``, as DDP jobs launch);
 every rank runs pytest on the file and writes a JUnit report. A test passes at size N
 only if it passed on every rank. Skipped tests, missing reports (a crashed rank) and
 launches that exceed the timeout count as failures. Prints a pytest-style closing line
@@ -63,18 +64,14 @@ def launch(
     """Run one file at one world size; returns (passed, failed, messages)."""
     with tempfile.TemporaryDirectory(prefix="hvds-reports-") as tmp:
         report_dir = Path(tmp)
-        cmd = [
-            "horovodrun",
-            "-np",
-            str(world_size),
-            "-H",
-            f"localhost:{world_size}",
-            "--gloo",
-            sys.executable,
-            str(HERE / "parallel_worker.py"),
-            str(path),
-            str(report_dir),
-        ]
+        worker = [sys.executable, str(HERE / "parallel_worker.py"), str(path), str(report_dir)]
+        if path.name.startswith("test_ddp"):
+            # torch.distributed tests launch as DDP users launch: torchrun, a free port.
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            cmd += ["--nproc-per-node", str(world_size), *worker[1:]]
+        else:
+            cmd = ["horovodrun", "-np", str(world_size), "-H", f"localhost:{world_size}"]
+            cmd += ["--gloo", *worker]
         if keyword:
             cmd += ["-k", keyword]
         env = dict(os.environ, PYTHONPATH=str(ROOT), HOROVOD_SPARSE_TEST_WORLD_SIZE=str(world_size))
@@ -111,7 +108,7 @@ def launch(
         and not timed_out
         and all(o == "passed" for o in outcomes.values())
     ):
-        launch_problems.append(f"horovodrun exited with {proc.returncode}")
+        launch_problems.append(f"the launcher exited with {proc.returncode}")
     if not outcomes:
         launch_problems.append("no test ran")
     passed = sum(1 for o in outcomes.values() if o == "passed")

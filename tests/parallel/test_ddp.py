@@ -1,0 +1,163 @@
+"""horovod_sparse.torch.ddp: the sparse allreduce as a DDP communication hook, on
+torch.distributed with Gloo (launched by torchrun), against DDP's own allreduce and the
+shared NumPy reference."""
+
+import io
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from horovod_sparse.common.config import budget
+from horovod_sparse.torch.ddp import SparseState, sparse_allreduce_hook
+from tests.reference import reference_step, uniform_boundaries
+
+if not dist.is_initialized():
+    dist.init_process_group("gloo")
+RANK, SIZE = dist.get_rank(), dist.get_world_size()
+torch.set_num_threads(1)
+
+
+class Exact(torch.nn.Module):
+    """d(loss)/d(weight) is the given tensor exactly: the hook sees chosen gradients."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(numel))
+
+    def forward(self, grad: torch.Tensor) -> torch.Tensor:
+        return (self.weight * grad).sum()
+
+
+def local_grad(step: int, numel: int) -> torch.Tensor:
+    rng = np.random.default_rng(1000 * step + RANK)
+    return torch.from_numpy(rng.standard_normal(numel).astype(np.float32))
+
+
+def gather(tensor: torch.Tensor) -> list[np.ndarray]:
+    parts = [torch.empty_like(tensor) for _ in range(SIZE)]
+    dist.all_gather(parts, tensor.contiguous())
+    return [p.numpy().copy() for p in parts]
+
+
+def reduced_grad(model: DistributedDataParallel, grad: torch.Tensor) -> torch.Tensor:
+    model.zero_grad()
+    model(grad).backward()
+    return model.module.weight.grad.detach().clone()
+
+
+def test_density_one_equals_ddp_default_allreduce():
+    numel = 5000
+    default = DistributedDataParallel(Exact(numel))
+    hooked = DistributedDataParallel(Exact(numel))
+    hooked.register_comm_hook(SparseState(density=1.0), sparse_allreduce_hook)
+    for step in range(4):
+        grad = local_grad(step, numel)
+        expected, got = reduced_grad(default, grad), reduced_grad(hooked, grad)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("partition", ["uniform", "balanced"])
+def test_exact_selection_matches_reference_and_keeps_every_entry(partition):
+    numel, density = 20_000, 0.02
+    k = budget(numel, density)
+    state = SparseState(
+        density=density, selection="exact", global_selection="exact", partition=partition
+    )
+    model = DistributedDataParallel(Exact(numel))
+    model.register_comm_hook(state, sparse_allreduce_hook)
+    first = local_grad(0, numel)  # iteration 0: DDP's plain average, no residual
+    mean = np.mean(gather(first), axis=0)
+    np.testing.assert_allclose(reduced_grad(model, first).numpy(), mean, rtol=1e-6, atol=1e-6)
+    before = np.zeros(numel, np.float32)
+    for step in range(1, 6):
+        grad = local_grad(step, numel)
+        accumulators = gather(torch.from_numpy(before) + grad)
+        boundaries = state.reducers[0].boundaries if step > 1 else uniform_boundaries(numel, SIZE)
+        got = reduced_grad(model, grad).numpy()
+        after = state.reducers[0].residual.numpy().copy()
+        if partition == "uniform":
+            expected = reference_step(accumulators, k, boundaries)
+            np.testing.assert_array_equal(np.flatnonzero(got), expected.selected)
+            np.testing.assert_allclose(got * SIZE, expected.result_sum, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(after, expected.residuals[RANK], rtol=1e-6, atol=1e-6)
+        # Every rank: residuals after plus P times the average is what was owed plus sent.
+        owed_after = np.sum(gather(torch.from_numpy(after)), axis=0) + SIZE * got
+        np.testing.assert_allclose(owed_after, np.sum(accumulators, axis=0), atol=1e-4)
+        assert np.count_nonzero(got) <= k + SIZE, np.count_nonzero(got)
+        before = after
+    assert state.stats().sparse_buckets == 1 and state.iteration == 6
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(32, 128)
+        self.b = torch.nn.Linear(128, 128)
+        self.c = torch.nn.Linear(128, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + RANK)
+    return torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
+
+
+def train(model, optimizer, steps):
+    for step in steps:
+        x, y = batch(step)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+def make_run(state):
+    torch.manual_seed(0)
+    # Small buckets: the model's gradients fill several, each with its own residual.
+    model = DistributedDataParallel(Net(), bucket_cap_mb=0.03)
+    model.register_comm_hook(state, sparse_allreduce_hook)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def flat_parameters(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_parameters_identical_and_a_checkpoint_resumes_exactly():
+    state = SparseState(density=0.05)
+    model, optimizer = make_run(state)
+    train(model, optimizer, range(4))
+    saved = io.BytesIO()
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "hook": state.state_dict(),
+        },
+        saved,
+    )
+    pickled = pickle.dumps(state)  # the hook state pickles too (PowerSGDState does)
+    assert len(state.reducers) >= 2, "expected several DDP buckets"
+    train(model, optimizer, range(4, 8))
+    uninterrupted = flat_parameters(model)
+    for row in gather(uninterrupted):
+        np.testing.assert_array_equal(row, uninterrupted.numpy())  # every rank alike
+
+    for restore in ("state_dict", "pickle"):
+        saved.seek(0)
+        checkpoint = torch.load(saved, weights_only=False)
+        resumed_state = SparseState(density=0.05)
+        if restore == "state_dict":
+            resumed_state.load_state_dict(checkpoint["hook"])
+        else:
+            resumed_state = pickle.loads(pickled)
+        resumed, resumed_optimizer = make_run(resumed_state)
+        resumed.load_state_dict(checkpoint["model"])
+        resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+        train(resumed, resumed_optimizer, range(4, 8))
+        assert torch.equal(flat_parameters(resumed), uninterrupted), restore
