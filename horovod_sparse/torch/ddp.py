@@ -22,15 +22,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from horovod_sparse.common.config import PER_TENSOR_OPTIONS, make_config, optimizer_scales
+from horovod_sparse.common.config import (
+    PER_TENSOR_OPTIONS,
+    SparseConfig,
+    make_config,
+    optimizer_scales,
+)
 from horovod_sparse.common.handle import BucketHandle
 from horovod_sparse.common.pipeline import BucketReducer
-from horovod_sparse.common.stats import StepStats
+from horovod_sparse.common.stats import StepStats, allreduce_ring_bytes
 from horovod_sparse.torch.distributed import DistributedBackend
 
 __all__ = ["SparseState", "sparse_allreduce_hook"]
 
 BACKEND = DistributedBackend()
+# The per-tensor options, and min_sparse_numel: a DDP bucket smaller than it is averaged
+# densely (DDP's buckets hold whole parameters, so small ones rarely get a bucket alone).
+HOOK_OPTIONS = PER_TENSOR_OPTIONS | {"min_sparse_numel"}
 
 
 class SparseState:
@@ -45,7 +53,8 @@ class SparseState:
             :class:`~horovod_sparse.common.config.SparseConfig`: ``selection``,
             ``partition``, ``reestimate_steps``, ``repartition_steps``, ``warmup_steps``,
             ``density_decay_steps``, ``error_feedback``, ``global_selection``,
-            ``refresh_steps``.
+            ``refresh_steps``, and ``min_sparse_numel`` (smaller buckets are averaged
+            densely; default 1024).
 
     Resuming: a new DDP instance reduces its first iteration in one bucket of every
     parameter (its buckets are rebuilt afterwards), where the checkpointed run had its
@@ -55,8 +64,12 @@ class SparseState:
     """
 
     def __init__(self, density: float = 0.01, process_group: Any = None, **options: Any) -> None:
-        self.config = make_config(dict(options, density=density))
-        self.config.unsupported("the DDP communication hook", PER_TENSOR_OPTIONS)
+        config = make_config(dict(options, density=density))
+        config.unsupported("the DDP communication hook", HOOK_OPTIONS)
+        self._begin(config, process_group)
+
+    def _begin(self, config: SparseConfig, process_group: Any) -> None:
+        self.config = config
         self.process_group = process_group
         self.iteration = 0
         self.reducers: dict[int, BucketReducer] = {}
@@ -65,6 +78,7 @@ class SparseState:
         self.layout: dict[int, list[int]] = {}
         self._positions: dict[int, int] = {}  # id(parameter) -> position, this instance
         self._restoring = False  # loaded: the next first iteration replays the layout
+        self._last: dict[int, StepStats | None] = {}  # per bucket: dense figures, or None
 
     def reducer(self, index: int, buffer: torch.Tensor) -> BucketReducer:
         """The reducer of DDP bucket ``index`` (created at its first sparse step)."""
@@ -90,10 +104,10 @@ class SparseState:
         return reducer
 
     def stats(self) -> StepStats:
-        """The last iteration's figures, summed over buckets."""
+        """The last iteration's figures, summed over buckets (dense ones included)."""
         total = StepStats()
-        for reducer in self.reducers.values():
-            total += reducer.last_stats()
+        for index, dense in self._last.items():
+            total += dense if dense is not None else self.reducers[index].last_stats()
         return total
 
     def state_dict(self) -> dict[str, Any]:
@@ -118,8 +132,7 @@ class SparseState:
         return {"config": self.config, "saved": self.state_dict()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.config = state["config"]
-        self.process_group = None
+        self._begin(state["config"], None)
         self.load_state_dict(state["saved"])
 
     # ---------------------------------------------------------------- one bucket
@@ -139,14 +152,29 @@ class SparseState:
             return self._replay(buffer, parameters)
         if self.iteration == 0:
             # DDP's own first iteration: a dense average (its buckets are rebuilt after it).
-            dist.all_reduce(
-                buffer.div_(dist.get_world_size(self.process_group)), group=self.process_group
-            )
-            return buffer
+            return self._dense(bucket.index(), buffer)
         self.layout[bucket.index()] = [self._positions[id(p)] for p in parameters]
         return self._sparse(bucket.index(), buffer)
 
+    def _dense(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
+        size = dist.get_world_size(self.process_group)
+        dist.all_reduce(buffer.div_(size), group=self.process_group)
+        sent, received = allreduce_ring_bytes(buffer.numel(), size, buffer.element_size())
+        self._last[index] = StepStats(
+            bytes_sent=sent,
+            bytes_received=received,
+            dense_bytes=sent + received,
+            numel=buffer.numel(),
+            selected=buffer.numel(),
+            density=1.0,
+            dense_buckets=1,
+        )
+        return buffer
+
     def _sparse(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
+        if buffer.numel() < self.config.min_sparse_numel:
+            return self._dense(index, buffer)
+        self._last[index] = None
         reducer = self.reducer(index, buffer)
         size = dist.get_world_size(self.process_group)
         prescale, postscale = optimizer_scales("average", size, 1.0)

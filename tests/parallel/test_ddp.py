@@ -97,10 +97,12 @@ class Net(torch.nn.Module):
         super().__init__()
         self.a = torch.nn.Linear(32, 128)
         self.b = torch.nn.Linear(128, 128)
+        self.b2 = torch.nn.Linear(128, 128)
         self.c = torch.nn.Linear(128, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        hidden = torch.tanh(self.b(torch.tanh(self.a(x))))
+        return self.c(torch.tanh(self.b2(hidden)))
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +131,7 @@ def flat_parameters(model) -> torch.Tensor:
 
 
 def test_parameters_identical_and_a_checkpoint_resumes_exactly():
-    state = SparseState(density=0.05)
+    state = SparseState(density=0.05, min_sparse_numel=5000)
     model, optimizer = make_run(state)
     train(model, optimizer, range(4))
     saved = io.BytesIO()
@@ -142,7 +144,12 @@ def test_parameters_identical_and_a_checkpoint_resumes_exactly():
         saved,
     )
     pickled = pickle.dumps(state)  # the hook state pickles too (PowerSGDState does)
-    assert len(state.reducers) >= 2, "expected several DDP buckets"
+    assert len(state.reducers) >= 2, "expected several sparse DDP buckets"
+    stats = state.stats()
+    numel = sum(p.numel() for p in model.parameters())
+    assert stats.numel == numel and stats.dense_buckets >= 1  # a bucket under 5000
+    assert stats.sparse_buckets == len(state.reducers)
+    assert (stats.bytes_sent + stats.bytes_received) < 0.5 * stats.dense_bytes, stats
     train(model, optimizer, range(4, 8))
     uninterrupted = flat_parameters(model)
     for row in gather(uninterrupted):
@@ -151,7 +158,7 @@ def test_parameters_identical_and_a_checkpoint_resumes_exactly():
     for restore in ("state_dict", "pickle"):
         saved.seek(0)
         checkpoint = torch.load(saved, weights_only=False)
-        resumed_state = SparseState(density=0.05)
+        resumed_state = SparseState(density=0.05, min_sparse_numel=5000)
         if restore == "state_dict":
             resumed_state.load_state_dict(checkpoint["hook"])
         else:
