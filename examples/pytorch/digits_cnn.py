@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import horovod.torch as hvd
@@ -70,6 +71,19 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         correct = (model(x).argmax(-1) == y).sum().item()
     model.train()
     return 100.0 * correct / len(y)
+
+
+def batches(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int, order: torch.Generator
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless batches of ``(x, y)``, a fresh permutation whenever one is used up."""
+    perm, cursor = torch.randperm(len(x), generator=order), 0
+    while True:
+        if cursor + batch_size > len(perm):
+            perm, cursor = torch.randperm(len(x), generator=order), 0
+        batch = perm[cursor : cursor + batch_size]
+        cursor += batch_size
+        yield x[batch], y[batch]
 
 
 def write_stats(
@@ -136,7 +150,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     dense_bytes = sum(allreduce_ring_bytes(numel, hvd.size(), 4))
 
     order = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
-    perm, cursor = torch.randperm(len(x_mine), generator=order), 0
+    data = batches(x_mine, y_mine, args.batch_size, order)
     curve: list[dict[str, float]] = []
     moved = []
     writer = None
@@ -145,13 +159,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
         writer = SummaryWriter(args.tensorboard)
     began = time.perf_counter()
-    for step in range(args.steps):
-        if cursor + args.batch_size > len(perm):
-            perm, cursor = torch.randperm(len(x_mine), generator=order), 0
-        batch = perm[cursor : cursor + args.batch_size]
-        cursor += args.batch_size
+    for step, (x, y) in zip(range(args.steps), data):
         optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x_mine[batch]), y_mine[batch])
+        loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
         moved.append(

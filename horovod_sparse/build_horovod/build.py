@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from horovod_sparse.build_horovod.patches import HOROVOD_VERSION, BuildError, apply_patches
-from horovod_sparse.build_horovod.plan import BuildPlan, Environment
+from horovod_sparse.build_horovod.plan import SCRIPTS, BuildPlan, Environment
 
 # Horovod's runtime requirements (cffi only with PyTorch), installed after the wheel.
 _RUNTIME_REQUIREMENTS = ("cloudpickle", "psutil", "pyyaml", "packaging", "cffi>=1.4.0")
@@ -79,7 +79,7 @@ def build_wheel(env: Environment, plan: BuildPlan, sdist: Path, into: Path, jobs
         source = unpack_patched(sdist, build)
         variables = dict(os.environ, **plan.variables, MAKEFLAGS=f"-j{jobs}")
         # pip installs cmake into this environment's bin folder; the build must find it.
-        variables["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{variables.get('PATH', '')}"
+        variables["PATH"] = f"{SCRIPTS}{os.pathsep}{variables.get('PATH', '')}"
         if plan.nccl:
             variables["HOROVOD_NCCL_LIB"] = _nccl_library_dir(env, build)
         log = into / "build.log"
@@ -139,7 +139,7 @@ _CHECK_NAMES = {"torch": "PyTorch", "tensorflow": "TensorFlow"}
 
 def check_build(plan: BuildPlan) -> str:
     """``horovodrun --check-build``; raise if a framework, Gloo or NCCL is not in it."""
-    horovodrun = Path(sys.executable).parent / "horovodrun"
+    horovodrun = SCRIPTS / "horovodrun"
     quiet = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
     result = subprocess.run(
         [str(horovodrun), "--check-build"], capture_output=True, text=True, env=quiet

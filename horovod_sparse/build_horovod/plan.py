@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from horovod_sparse.build_horovod.patches import HOROVOD_VERSION, PATCH_REVISION, BuildError
 
+# Where pip puts this environment's commands (cmake from pip, horovodrun).
+SCRIPTS = Path(sysconfig.get_path("scripts"))
 # The frameworks a build can serve, with the name Horovod's HOROVOD_WITH_* variables use.
 FRAMEWORKS = {"torch": "PYTORCH", "tensorflow": "TENSORFLOW"}
 
@@ -146,7 +149,7 @@ def plan_build(
         # From pip, into this environment; below 4: Horovod's CMake files use policies
         # that CMake 4 removed.
         install_first.append("cmake>=3.13,<4")
-        variables["HOROVOD_CMAKE"] = str(Path(sys.executable).parent / "cmake")
+        variables["HOROVOD_CMAKE"] = str(SCRIPTS / "cmake")
     else:
         variables["HOROVOD_CMAKE"] = env.cmake
         if env.cmake_version >= (4,):

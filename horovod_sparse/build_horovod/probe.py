@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from horovod_sparse.build_horovod.patches import BuildError
-from horovod_sparse.build_horovod.plan import Environment
+from horovod_sparse.build_horovod.plan import SCRIPTS, Environment
 
 _TENSORFLOW_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-intel", "tf-nightly")
 
@@ -102,7 +102,7 @@ def probe_environment() -> Environment:
         cuda_version = match.group(1) if match else "unknown"
     nccl_include, nccl_library = _find_nccl(nvcc)
     # This environment's own cmake (pip's) first, as the build's PATH has it.
-    search = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    search = f"{SCRIPTS}{os.pathsep}{os.environ.get('PATH', '')}"
     cmake = os.environ.get("HOROVOD_CMAKE") or shutil.which("cmake", path=search)
     missing = tuple(
         requirement
@@ -111,11 +111,13 @@ def probe_environment() -> Environment:
             [sys.executable, "-c", f"import {module}"], capture_output=True
         ).returncode
     )
+    capabilities = torch["capabilities"] if torch else []
+    assert isinstance(capabilities, list)
     return Environment(
         python_tag=f"cp{sys.version_info[0]}{sys.version_info[1]}",
         torch=str(torch["version"]) if torch else None,
         torch_cuda=str(torch["cuda"]) if torch and torch["cuda"] else None,
-        gpu_capabilities=tuple(str(c) for c in torch["capabilities"]) if torch else (),  # type: ignore[attr-defined]
+        gpu_capabilities=tuple(str(c) for c in capabilities),
         tensorflow=_distribution_version(_TENSORFLOW_DISTRIBUTIONS),
         nvcc=nvcc,
         cuda_version=cuda_version,

@@ -26,6 +26,7 @@ from horovod_sparse.build_horovod import (
     unpack_patched,
 )
 from horovod_sparse.build_horovod.build import _nccl_library_dir
+from horovod_sparse.build_horovod.plan import SCRIPTS
 
 CACHE = Path(os.environ.get("HOROVOD_SPARSE_CACHE", Path.home() / ".cache" / "horovod_sparse"))
 
@@ -155,7 +156,7 @@ def test_cmake_is_installed_when_missing_or_old_and_told_about_policies_when_new
     for cmake, version in ((None, ()), ("/usr/bin/cmake", (3, 10))):
         plan = plan_build(dataclasses.replace(CPU, cmake=cmake, cmake_version=version))
         assert plan.install_first == ("cmake>=3.13,<4",)
-        assert plan.variables["HOROVOD_CMAKE"] == str(Path(sys.executable).parent / "cmake")
+        assert plan.variables["HOROVOD_CMAKE"] == str(SCRIPTS / "cmake")
     new = plan_build(dataclasses.replace(CPU, cmake_version=(4, 1)))
     assert new.variables["CMAKE_POLICY_VERSION_MINIMUM"] == "3.5" and new.install_first == ()
     tools = plan_build(dataclasses.replace(CPU, missing_build_tools=("wheel",)))
