@@ -77,7 +77,6 @@ class SparseState:
         # Each bucket's parameters, as positions in the instance's first (whole) bucket.
         self.layout: dict[int, list[int]] = {}
         self._positions: dict[int, int] = {}  # id(parameter) -> position, this instance
-        self._restoring = False  # loaded: the next first iteration replays the layout
         self._last: dict[int, StepStats | None] = {}  # per bucket: dense figures, or None
 
     def reducer(self, index: int, buffer: torch.Tensor) -> BucketReducer:
@@ -123,8 +122,7 @@ class SparseState:
         self.reducers = {}
         self._saved = {int(i): s for i, s in state["buckets"].items()}
         self.layout = {int(i): [int(p) for p in ps] for i, ps in state["layout"].items()}
-        self._positions = {}
-        self._restoring = self.iteration > 0
+        self._positions = {}  # the next call is a new DDP instance's first
 
     def __getstate__(self) -> dict[str, Any]:
         # A process group does not pickle: the unpickled state reduces over the default
@@ -139,19 +137,19 @@ class SparseState:
     def reduce(self, bucket: dist.GradBucket) -> torch.Tensor:
         buffer = bucket.buffer()
         parameters = bucket.parameters()
-        whole = bucket.index() == 0 and bucket.is_last()
         if not self._positions:
-            if not whole:
+            # A DDP instance's first iteration: one bucket of every parameter, rebuilt
+            # after it. With a saved layout (a resumed run), the saved buckets are cut
+            # out of it; else a dense average (the first iteration of a run, or a state
+            # saved before any sparse step: no residual exists yet).
+            if not (bucket.index() == 0 and bucket.is_last()):
                 raise RuntimeError(
                     "the sparse hook expects DDP's first iteration in one bucket (DDP does "
                     "so unless find_unused_parameters=True, which this hook does not support)"
                 )
             self._positions = {id(p): i for i, p in enumerate(parameters)}
-        if self._restoring and whole:
-            self._restoring = False
-            return self._replay(buffer, parameters)
-        if self.iteration == 0:
-            # DDP's own first iteration: a dense average (its buckets are rebuilt after it).
+            if self.layout:
+                return self._replay(buffer, parameters)
             return self._dense(bucket.index(), buffer)
         self.layout[bucket.index()] = [self._positions[id(p)] for p in parameters]
         return self._sparse(bucket.index(), buffer)

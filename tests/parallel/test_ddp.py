@@ -130,6 +130,23 @@ def flat_parameters(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def test_a_state_saved_before_any_sparse_step_resumes_densely():
+    """Saved after DDP's first (dense) iteration, the state has no bucket layout yet: the
+    resumed instance's first iteration is a dense average, then sparse steps follow."""
+    state = SparseState(density=0.05, min_sparse_numel=5000)
+    model, optimizer = make_run(state)
+    train(model, optimizer, range(1))
+    resumed_state = pickle.loads(pickle.dumps(state))
+    assert resumed_state.iteration == 1 and resumed_state.layout == {}
+    resumed, resumed_optimizer = make_run(resumed_state)
+    resumed.load_state_dict(model.state_dict())
+    train(resumed, resumed_optimizer, range(1, 4))
+    assert resumed_state.stats().sparse_buckets >= 2 and resumed_state.iteration == 4
+    flat = flat_parameters(resumed)
+    for row in gather(flat):
+        np.testing.assert_array_equal(row, flat.numpy())
+
+
 def test_parameters_identical_and_a_checkpoint_resumes_exactly():
     state = SparseState(density=0.05, min_sparse_numel=5000)
     model, optimizer = make_run(state)
