@@ -19,7 +19,7 @@ Process "sets" are process groups (``None``: the default group).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -36,7 +36,6 @@ class _Work:
 
     works: list[Any]
     finish: Callable[[], Any]
-    results: list[Any] = field(default_factory=list)
 
 
 class DistributedBackend(TorchBackend):
@@ -76,7 +75,7 @@ class DistributedBackend(TorchBackend):
         count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=rows.device)
         counts = [torch.empty_like(count) for _ in range(size)]
         dist.all_gather(counts, count, group=group)
-        lengths = [int(c.item()) for c in counts]
+        lengths = torch.cat(counts).tolist()  # one host read for all P counts
         longest = max(lengths)
         padded = rows.new_zeros((longest, *rows.shape[1:]))
         padded[: rows.shape[0]].copy_(rows)
