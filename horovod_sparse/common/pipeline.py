@@ -32,7 +32,12 @@ from horovod_sparse.common.global_selection import (
 from horovod_sparse.common.partition import make_partitioner
 from horovod_sparse.common.reduction import owner_reduce
 from horovod_sparse.common.selection import make_selection
-from horovod_sparse.common.stats import StepStats, allgather_ring_bytes, allreduce_ring_bytes
+from horovod_sparse.common.stats import (
+    StepStats,
+    allgather_ring_bytes,
+    allreduce_ring_bytes,
+    dense_allreduce_stats,
+)
 from horovod_sparse.common.step import StepKind, StepRecord
 
 __all__ = [
@@ -687,19 +692,12 @@ class DenseBucketReducer:
 
     def stats_of(self, record: StepRecord) -> StepStats:
         """:class:`StepStats` of a step from its record with host numbers."""
-        sent, received = allreduce_ring_bytes(self.numel, self.world_size, self._wire_itemsize)
-        dense_sent, dense_received = allreduce_ring_bytes(
-            self.numel, self.world_size, self._grad_itemsize
-        )
-        return StepStats(
-            bytes_sent=sent,
-            bytes_received=received,
-            dense_bytes=dense_sent + dense_received,
-            numel=self.numel,
-            selected=self.numel,
-            density=1.0,
-            seconds_exchange=float(record.seconds_exchange),
-            dense_buckets=1,
+        return dense_allreduce_stats(
+            self.numel,
+            self.world_size,
+            self._wire_itemsize,
+            self._grad_itemsize,
+            float(record.seconds_exchange),
         )
 
     def last_stats(self) -> StepStats:

@@ -21,6 +21,8 @@ __all__ = [
     "allgather_ring_bytes",
     "allreduce_ring_bytes",
     "alltoall_bytes",
+    "dense_allreduce_stats",
+    "progress_line",
 ]
 
 
@@ -90,6 +92,25 @@ class StepStats:
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         self.density = self.selected / self.numel if self.numel else 0.0
         return self
+
+
+def dense_allreduce_stats(
+    numel: int, world_size: int, wire_itemsize: int, grad_itemsize: int, seconds: float = 0.0
+) -> StepStats:
+    """What one dense ring allreduce of ``numel`` entries costs a rank: the wire's bytes
+    against the gradients' (they differ under lossy value compression)."""
+    sent, received = allreduce_ring_bytes(numel, world_size, wire_itemsize)
+    dense_sent, dense_received = allreduce_ring_bytes(numel, world_size, grad_itemsize)
+    return StepStats(
+        bytes_sent=sent,
+        bytes_received=received,
+        dense_bytes=dense_sent + dense_received,
+        numel=numel,
+        selected=numel,
+        density=1.0,
+        seconds_exchange=seconds,
+        dense_buckets=1,
+    )
 
 
 def progress_line(step: int, stats: StepStats, target_density: float) -> str:

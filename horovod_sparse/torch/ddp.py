@@ -30,7 +30,7 @@ from horovod_sparse.common.config import (
 )
 from horovod_sparse.common.handle import BucketHandle
 from horovod_sparse.common.pipeline import BucketReducer
-from horovod_sparse.common.stats import StepStats, allreduce_ring_bytes
+from horovod_sparse.common.stats import StepStats, dense_allreduce_stats
 from horovod_sparse.torch.distributed import DistributedBackend
 
 __all__ = ["SparseState", "sparse_allreduce_hook"]
@@ -157,16 +157,8 @@ class SparseState:
     def _dense(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
         size = dist.get_world_size(self.process_group)
         dist.all_reduce(buffer.div_(size), group=self.process_group)
-        sent, received = allreduce_ring_bytes(buffer.numel(), size, buffer.element_size())
-        self._last[index] = StepStats(
-            bytes_sent=sent,
-            bytes_received=received,
-            dense_bytes=sent + received,
-            numel=buffer.numel(),
-            selected=buffer.numel(),
-            density=1.0,
-            dense_buckets=1,
-        )
+        itemsize = buffer.element_size()
+        self._last[index] = dense_allreduce_stats(buffer.numel(), size, itemsize, itemsize)
         return buffer
 
     def _sparse(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
