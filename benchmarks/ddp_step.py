@@ -1,9 +1,21 @@
-"""Training-step time of one 4096x4096 layer (16.8M fp32 gradients, one DDP bucket) with
-DDP's allreduce, PowerSGD (rank 1, 2, 4) and the sparse hook (density 0.01, 0.001), in
-one run per world size (torchrun, Gloo, this machine's loopback).
+"""Training-step time and bytes under DDP: DDP's allreduce, PowerSGD (rank 1, 2, 4) and
+the sparse hook (density 0.01, 0.001), in one run per world size and network.
 
-    python benchmarks/ddp_step.py                   # P = 2, 4
-    python benchmarks/ddp_step.py --sizes 2 --steps 10
+Two models:
+
+* ``layer``: one 4096x4096 layer, 16.8M fp32 gradients in one DDP bucket: the allreduce
+  benchmark (the step is little more than the bucket's reduction);
+* ``wide_mlp``: the synthetic benchmark's 25.1M-parameter MLP
+  (``examples/pytorch/pytorch_synthetic_benchmark.py``), DDP's default 25 MB buckets,
+  SGD with momentum: the training-step benchmark.
+
+Two networks: this machine's loopback (``torchrun``), or the emulated cluster of
+``benchmarks/cluster`` (one rank per network namespace, links shaped to 1 or 10 Gbit/s;
+needs root):
+
+    python benchmarks/ddp_step.py                               # layer, loopback, P = 2, 4
+    python benchmarks/ddp_step.py --model wide_mlp --batch-size 8
+    sudo -E .venv/bin/python benchmarks/ddp_step.py --cluster 1g,10g --sizes 4
 
 Each configuration runs ``--warmup`` steps (PowerSGD's dense warm-up and the hook's first,
 dense iteration among them), then ``--steps`` timed steps; the median step is reported
@@ -25,11 +37,31 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["allreduce", "powersgd:1", "powersgd:2", "powersgd:4", "sparse:0.01", "sparse:0.001"]
 
 
+def build(model_name: str, batch_size: int, rank: int) -> tuple:
+    """The module, DDP's bucket cap, and this rank's batch (inputs, targets or None)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "examples" / "pytorch"))
+    from pytorch_synthetic_benchmark import WideMLP
+
+    torch.manual_seed(0)
+    inputs = torch.Generator().manual_seed(rank)
+    if model_name == "layer":
+        module = torch.nn.Linear(4096, 4096, bias=False)
+        return module, 1024, torch.randn(batch_size, 4096, generator=inputs), None
+    module = WideMLP()
+    x = torch.randn(batch_size, 1024, generator=inputs)
+    return module, 25, x, torch.randint(0, 1000, (batch_size,), generator=inputs)
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel
+
+    sys.path.insert(0, str(ROOT / "examples" / "pytorch"))
+    from ddp_train import powersgd_bytes
 
     from horovod_sparse.common.stats import allreduce_ring_bytes
     from horovod_sparse.torch.ddp import SparseState, sparse_allreduce_hook
@@ -39,99 +71,140 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     results = []
     for config in CONFIGS:
-        torch.manual_seed(0)
-        layer = torch.nn.Linear(args.width, args.width, bias=False)
-        model = DistributedDataParallel(layer, bucket_cap_mb=1024)
+        module, bucket_cap_mb, x, y = build(args.model, args.batch_size, dist.get_rank())
+        numel = sum(p.numel() for p in module.parameters())
+        model = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
         kind, _, value = config.partition(":")
         state = None
-        n = m = args.width
-        moved = sum(allreduce_ring_bytes(n * m, size, 4))
+        dense_bytes = sum(allreduce_ring_bytes(numel, size, 4))
+        moved = dense_bytes
         if kind == "powersgd":
             rank = int(value)
             state = powersgd.PowerSGDState(
                 None, matrix_approximation_rank=rank, start_powerSGD_iter=2
             )
             model.register_comm_hook(state, powersgd.powerSGD_hook)
-            moved = sum(allreduce_ring_bytes((n + m) * rank, size, 4))
+            moved = powersgd_bytes(module, rank, size)
         elif kind == "sparse":
             state = SparseState(density=float(value))
             model.register_comm_hook(state, sparse_allreduce_hook)
-        x = torch.randn(32, args.width, generator=torch.Generator().manual_seed(dist.get_rank()))
         times = []
         for step in range(args.warmup + args.steps):
-            model.zero_grad()
+            optimizer.zero_grad()
             dist.barrier()
             began = time.perf_counter()
-            model(x).square().mean().backward()
+            out = model(x)
+            loss = out.square().mean() if y is None else torch.nn.functional.cross_entropy(out, y)
+            loss.backward()
+            optimizer.step()
             if step >= args.warmup:
                 times.append(time.perf_counter() - began)
         if kind == "sparse":
             stats = state.stats()
             moved = stats.bytes_sent + stats.bytes_received
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        parts = [torch.empty_like(flat) for _ in range(size)]
+        dist.all_gather(parts, flat)
+        assert all(torch.equal(part, flat) for part in parts), "ranks differ"
         results.append(
             {
                 "P": size,
                 "config": config,
                 "median_s": statistics.median(times),
                 "bytes": moved,
-                "dense_bytes": sum(allreduce_ring_bytes(n * m, size, 4)),
+                "dense_bytes": dense_bytes,
             }
         )
     if dist.get_rank() == 0:
-        print("RESULTS " + json.dumps(results), flush=True)
+        Path(args.result).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def worker_args(args: argparse.Namespace, result: Path) -> list[str]:
+    return [
+        __file__,
+        "--worker",
+        "--model",
+        args.model,
+        "--batch-size",
+        str(args.batch_size),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--result",
+        str(result),
+    ]
+
+
+def run_loopback(args: argparse.Namespace, size: int, result: Path) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(size), *worker_args(args, result)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3000)
+    if done.returncode != 0:
+        raise RuntimeError(f"P={size} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+
+
+def run_cluster(args: argparse.Namespace, size: int, preset: str, result: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks" / "cluster"))
+    from cluster import PRESETS, Cluster
+
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with Cluster(size, PRESETS[preset]) as cluster:
+        code = cluster.run_distributed(
+            [sys.executable, *worker_args(args, result)], timeout=3000, env=env
+        )
+    if code != 0:
+        raise RuntimeError(f"P={size} on {preset} failed with exit code {code}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("layer", "wide_mlp"), default="layer")
     parser.add_argument("--sizes", default="2,4")
-    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--cluster", default="", help="link presets, e.g. 1g,10g (root)")
+    parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "ddp_step.md")
+    parser.add_argument("--result", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help="default: results/ddp_step_*")
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
+    networks = args.cluster.split(",") if args.cluster else ["loopback"]
+    out = args.out or ROOT / "results" / f"ddp_step_{args.model}_{'_'.join(networks)}"
+    out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for size in (int(s) for s in args.sizes.split(",")):
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(size),
-            __file__,
-            "--worker",
-            "--width",
-            str(args.width),
-            "--warmup",
-            str(args.warmup),
-            "--steps",
-            str(args.steps),
-        ]
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-        found = (text for text in done.stdout.splitlines() if text.startswith("RESULTS "))
-        line = next(found, None)
-        if done.returncode != 0 or line is None:
-            raise RuntimeError(f"P={size} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-        rows += json.loads(line[len("RESULTS ") :])
+    for network in networks:
+        for size in (int(s) for s in args.sizes.split(",")):
+            result = out / f"{network}_p{size}.json"
+            if network == "loopback":
+                run_loopback(args, size, result)
+            else:
+                run_cluster(args, size, network, result)
+            rows += [dict(row, network=network) for row in json.loads(result.read_text())]
+            print(f"{network} P={size} done", flush=True)
     lines = [
-        "| P | hook | median step (s) | vs allreduce | bytes/step | vs allreduce |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| network | P | hook | median step (s) | vs allreduce | bytes/step | vs allreduce |",
+        "|---|---:|---|---:|---:|---:|---:|",
     ]
     for row in rows:
-        base = next(r for r in rows if r["P"] == row["P"] and r["config"] == "allreduce")
+        base = next(
+            r
+            for r in rows
+            if (r["network"], r["P"], r["config"]) == (row["network"], row["P"], "allreduce")
+        )
         lines.append(
-            f"| {row['P']} | {row['config']} | {row['median_s']:.3f} | "
+            f"| {row['network']} | {row['P']} | {row['config']} | {row['median_s']:.3f} | "
             f"{row['median_s'] / base['median_s']:.2f}x | {row['bytes']:,} | "
             f"{row['bytes'] / row['dense_bytes']:.2%} |"
         )
     table = "\n".join(lines)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(table + "\n")
+    (out / "table.md").write_text(table + "\n")
+    (out / "rows.json").write_text(json.dumps(rows))
     print(table)
 
 

@@ -197,6 +197,54 @@ class Cluster:
         self._created.clear()
 
     # ---------------------------------------------------------------- launch
+    def run_distributed(
+        self, command: list[str], timeout: float, env: dict[str, str] | None = None
+    ) -> int:
+        """Run ``command`` as one ``torch.distributed`` rank per namespace (the variables
+        torchrun sets; rank 0's address is the store); returns the worst exit code."""
+        base = dict(os.environ, **(env or {}))
+        base.update(
+            MASTER_ADDR=self.address(0),
+            MASTER_PORT="29512",
+            WORLD_SIZE=str(self.size),
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            GLOO_SOCKET_IFNAME="eth0",
+        )
+        environments = [dict(base, RANK=str(rank)) for rank in range(self.size)]
+        return self._launch(command, environments, timeout)
+
+    def _launch(
+        self, command: list[str], environments: list[dict[str, str]], timeout: float
+    ) -> int:
+        """One process per namespace, rank r with ``environments[r]``; the worst exit code.
+
+        Raises:
+            TimeoutError: the ranks did not finish within ``timeout`` seconds (all killed).
+        """
+        procs = []
+        try:
+            for rank, environment in enumerate(environments):
+                procs.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", self.namespace(rank), *command],
+                        env=environment,
+                        start_new_session=True,
+                    )
+                )
+            deadline = time.monotonic() + timeout
+            codes = []
+            for proc in procs:
+                codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+            return max(codes)
+        except subprocess.TimeoutExpired as error:
+            raise TimeoutError(f"cluster run exceeded {timeout:.0f}s") from error
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
     def run(self, command: list[str], timeout: float, env: dict[str, str] | None = None) -> int:
         """Run ``command`` as one Horovod rank per namespace; returns the worst exit code.
 
@@ -216,27 +264,9 @@ class Cluster:
         base.update(
             {k: str(v) for k, v in create_run_env_vars(BRIDGE_ADDRESS, ["eth0"], port).items()}
         )
-        procs = []
         try:
-            for slot in plan:
-                rank_env = dict(base, **create_slot_env_vars(slot))
-                procs.append(
-                    subprocess.Popen(
-                        ["ip", "netns", "exec", self.namespace(slot.rank), *command],
-                        env=rank_env,
-                        start_new_session=True,
-                    )
-                )
-            deadline = time.monotonic() + timeout
-            codes = []
-            for proc in procs:
-                codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
-            return max(codes)
-        except subprocess.TimeoutExpired as error:
-            raise TimeoutError(f"cluster run exceeded {timeout:.0f}s") from error
+            slots = sorted(plan, key=lambda slot: slot.rank)  # namespace r runs rank r
+            environments = [dict(base, **create_slot_env_vars(slot)) for slot in slots]
+            return self._launch(command, environments, timeout)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
             server.stop()

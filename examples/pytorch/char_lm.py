@@ -22,7 +22,6 @@ import sysconfig
 import time
 from pathlib import Path
 
-import horovod.torch as hvd
 import torch
 
 import horovod_sparse.torch as hvds
@@ -115,6 +114,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--json", default=None, help="write the curves here (rank 0)")
     args = parser.parse_args()
+    # Imported here: ddp_train.py takes the model and data from this module without Horovod.
+    import horovod.torch as hvd
 
     hvd.init()
     torch.set_num_threads(1)

@@ -24,7 +24,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import horovod.torch as hvd
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -125,6 +124,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Train on this rank (Horovod initialised here); return the run's summary."""
+    # Imported here: ddp_train.py takes the model and data from this module without Horovod.
+    import horovod.torch as hvd
+
     hvd.init()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)

@@ -18,7 +18,6 @@ import math
 import statistics
 import time
 
-import horovod.torch as hvd
 import torch
 
 import horovod_sparse.torch as hvds
@@ -76,6 +75,8 @@ def main() -> None:
     parser.add_argument("--trace", default=None, help="Chrome trace path ({rank} allowed)")
     parser.add_argument("--json", default=None, help="write a summary here (rank 0)")
     args = parser.parse_args()
+    # Imported here: benchmarks/ddp_step.py takes the models without Horovod.
+    import horovod.torch as hvd
 
     hvd.init()
     torch.manual_seed(0)

@@ -1,73 +1,25 @@
-"""PyTorch implementation of the tensor primitives in ``horovod_sparse.common.backend``.
+"""Horovod's collectives on :class:`~horovod_sparse.torch.kernels.TorchKernels`: the
+backend of the Horovod optimizer and of ``sparse_allreduce``.
 
-Every kernel runs on the tensors' own device. A sparse step with the default threshold
-selection synchronises with the host four times per bucket (counted with
-``torch.cuda.set_sync_debug_mode`` on an H100), each because a size is data-dependent:
-
-* :meth:`TorchBackend.indices_at_least` - the candidates above the sampled threshold;
-* :meth:`TorchBackend.region_counts` - Horovod takes alltoall ``splits`` on the CPU;
-* :meth:`TorchBackend.unique_inverse` - the distinct indices an owner received;
-* :meth:`TorchBackend.split_by_mask` - the all-gather's send size (one sync for both
-  parts: the dropped count follows from the kept one).
-
-A dense step has none. Horovod's own GPU-to-host staging is not counted here.
+Horovod takes an alltoall's ``splits`` on the CPU and returns the received splits with
+the rows, so a sparse bucket's size exchange happens inside Horovod's own op.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-import horovod.torch as hvd
-import torch
+from horovod_sparse.requirements import require_horovod
 
-from horovod_sparse.common.backend import HorovodPrimitives, HostCell
+require_horovod("torch")  # the clear error, for a direct import of this module too
+
+import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
+
+from horovod_sparse.torch.kernels import TorchKernels  # noqa: E402
 
 __all__ = ["TorchBackend"]
-
-_HISTOGRAM_BINS = 256
-
-
-# Floats per chunk of the CPU candidate pass: a chunk's magnitudes (4 MB in fp32) and
-# flags stay in cache between the two kernels that read them. 16M floats, one thread:
-# 13.4 ms against 25.4 ms for whole-bucket temporaries, whose fresh pages alone cost a
-# third of that; 128K to 2M floats per chunk all measured within 1.8 ms of each other.
-_CANDIDATE_CHUNK = 1 << 20
-
-
-def _nonzero_by_words(mask: torch.Tensor) -> torch.Tensor:
-    """``mask.nonzero()`` for a CPU bool mask whose length is a multiple of 8, ascending.
-
-    Reads the mask as int64 words of 8 flags: only the words holding a set flag are
-    expanded and tested. At density 0.01, one word in 13 is set, so this is about 2x
-    faster than ``nonzero`` on the flags (5.4 vs 11.6 ms at 16M, one thread).
-    """
-    words = mask.view(torch.int64).nonzero().view(-1)
-    word_and_flag = mask.view(-1, 8).index_select(0, words).nonzero()
-    return words.index_select(0, word_and_flag[:, 0]).mul_(8).add_(word_and_flag[:, 1])
-
-
-def _cpu_indices_at_least(values: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """Ascending positions of ``values`` whose magnitude is at least ``threshold`` (NaN
-    included), one chunk at a time into reused scratch: one read of the bucket, and no
-    bucket-sized temporary."""
-    numel = values.numel()
-    chunk = min(numel, _CANDIDATE_CHUNK)
-    magnitudes = torch.empty(chunk, dtype=values.dtype)
-    flags = torch.empty(chunk, dtype=torch.bool)
-    found = []
-    for start in range(0, numel, chunk):
-        part = values[start : start + chunk]
-        width = part.numel()
-        below = torch.lt(torch.abs(part, out=magnitudes[:width]), threshold, out=flags[:width])
-        # NaN compares false, so "not below" selects it: it reaches the result, as it
-        # would with dense Horovod.
-        keep = below.logical_not_()
-        positions = _nonzero_by_words(keep) if width % 8 == 0 else keep.nonzero().view(-1)
-        found.append(positions.add_(start) if start else positions)
-    return found[0] if len(found) == 1 else torch.cat(found)
 
 
 @dataclass
@@ -78,264 +30,10 @@ class _Pending:
     kind: str  # "alltoall" | "plain"
 
 
-class TorchBackend(HorovodPrimitives):
+class TorchBackend(TorchKernels):
     """Stateless; one shared instance serves every bucket."""
 
     no_compression = hvd.Compression.none
-    in_place = True  # torch's kernels write into their first argument
-
-    # ---- state and control flow: a step runs its Python every time, so host values do
-    def cell(self, initial: Any, like: torch.Tensor | None = None) -> HostCell:
-        if like is not None:
-            initial = torch.full((), initial, dtype=like.dtype, device=like.device)
-        return HostCell(initial)
-
-    def cond(self, pred: Any, then: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
-        return then() if pred else otherwise()
-
-    def on_host(self, function: Callable[[list[int]], list[int]], counts: torch.Tensor) -> Any:
-        return function(counts.tolist())
-
-    # ---- dense arithmetic
-    def zeros(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(numel, dtype=like.dtype, device=like.device)
-
-    def length(self, tensor: torch.Tensor) -> int:
-        return int(tensor.shape[0])
-
-    def num_rows(self, tensor: torch.Tensor) -> int:
-        return int(tensor.shape[0])
-
-    def itemsize(self, tensor: torch.Tensor) -> int:
-        return tensor.element_size()
-
-    def add_scaled_(
-        self, buffer: torch.Tensor, tensor: torch.Tensor, factor: float
-    ) -> torch.Tensor:
-        return buffer.add_(tensor.reshape(-1).to(buffer.dtype), alpha=factor)
-
-    def add_scaled_at_(
-        self, buffer: torch.Tensor, offset: int, tensor: torch.Tensor, factor: float
-    ) -> torch.Tensor:
-        part = buffer[offset : offset + tensor.numel()]
-        part.add_(tensor.reshape(-1).to(buffer.dtype), alpha=factor)
-        return buffer
-
-    def add_scaled(self, tensor: torch.Tensor, other: torch.Tensor, factor: float) -> torch.Tensor:
-        return tensor.add(other, alpha=factor)
-
-    def momentum_update_(
-        self, buffer: torch.Tensor, value: torch.Tensor, momentum: float, weight: float
-    ) -> torch.Tensor:
-        return buffer.mul_(momentum).add_(value, alpha=weight)
-
-    def moving_average_(
-        self, buffer: torch.Tensor, value: torch.Tensor, beta: float
-    ) -> torch.Tensor:
-        return buffer.mul_(beta).add_(value, alpha=1.0 - beta)
-
-    def moving_average_of_square_(
-        self, buffer: torch.Tensor, value: torch.Tensor, beta: float
-    ) -> torch.Tensor:
-        return buffer.mul_(beta).addcmul_(value, value, value=1.0 - beta)
-
-    def adam_ratio(
-        self,
-        first: torch.Tensor,
-        second: torch.Tensor,
-        first_scale: float,
-        second_scale: float,
-        eps: float,
-    ) -> torch.Tensor:
-        # torch.optim.Adam's own order of operations (its non-capturable path).
-        denominator = (second / second_scale).sqrt_().add_(eps)
-        return (first / first_scale).div_(denominator)
-
-    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.clone()
-
-    def assign(self, buffer: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        return buffer.copy_(source)
-
-    def scale(self, tensor: torch.Tensor, factor: float) -> torch.Tensor:
-        return tensor.mul_(factor)
-
-    def to_host_number(self, scalar: torch.Tensor | float) -> float:
-        return scalar.item() if isinstance(scalar, torch.Tensor) else scalar
-
-    def sum_except(self, counts: list[int], rank: int) -> int:
-        return sum(counts) - counts[rank]
-
-    def clock(self, *after: torch.Tensor) -> float:
-        # Host time. On CUDA this is launch time unless a stage synchronised anyway
-        # (the selection does, for the alltoall splits); no sync is added for timing.
-        return time.perf_counter()
-
-    # ---- selection
-    def topk_indices(self, values: torch.Tensor, k: int) -> torch.Tensor:
-        if k >= values.numel():
-            return torch.arange(values.numel(), device=values.device)
-        return torch.topk(values.abs(), k, sorted=False).indices.sort().values
-
-    def strided_sample_abs(self, values: torch.Tensor, size: int, offset: int) -> torch.Tensor:
-        stride = max(1, values.numel() // size)
-        positions = torch.arange(size, device=values.device) * stride + (offset % stride)
-        return values.index_select(0, positions).abs()
-
-    def kth_largest(self, values: torch.Tensor, k: int) -> torch.Tensor:
-        return torch.topk(values, k, sorted=False).values.min()
-
-    def indices_at_least(self, values: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-        if values.device.type == "cpu":
-            return _cpu_indices_at_least(values, threshold)
-        # One memory pass without materialising |values|. Written as "not inside the
-        # band" so NaN (false in every comparison) is selected and reaches the result,
-        # as it would with dense Horovod. nonzero() syncs: the size is data-dependent.
-        keep = (values < threshold).logical_and_(values > -threshold).logical_not_()
-        return keep.nonzero().view(-1)
-
-    def top_of(self, values: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
-        magnitudes = values.index_select(0, candidates).abs()
-        best = torch.topk(magnitudes, k, sorted=False).indices
-        return candidates.index_select(0, best).sort().values
-
-    def position_histogram(self, indices: torch.Tensor, numel: int, bins: int) -> torch.Tensor:
-        which = indices * bins // numel
-        counts = torch.zeros(bins, dtype=torch.int32, device=indices.device)
-        return counts.scatter_add_(0, which, torch.ones_like(which, dtype=torch.int32))
-
-    def to_host_list(self, tensor: torch.Tensor) -> list:
-        return tensor.tolist()
-
-    def take(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        return values.index_select(0, indices)
-
-    def zero_at(self, buffer: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        return buffer.index_fill_(0, indices, 0)
-
-    def add_at(
-        self, buffer: torch.Tensor, indices: torch.Tensor, values: torch.Tensor
-    ) -> torch.Tensor:
-        values = values.to(buffer.dtype)
-        if buffer.is_cuda:
-            # index_add_ adds duplicate indices with CUDA atomics, in no fixed order: owner
-            # sums of 3+ ranks then change from run to run (1e-9 to 6e-8 relative, seen on
-            # an H100). index_put_ with accumulate sorts stably and adds in arrival order,
-            # as index_add_ does on the CPU: the same bits every run.
-            return buffer.index_put_((indices,), values, accumulate=True)
-        return buffer.index_add_(0, indices, values)
-
-    def shift(self, indices: torch.Tensor, offset: int) -> torch.Tensor:
-        return indices + offset
-
-    # ---- partition and packing
-    def _boundaries(self, boundaries: list[int], device: torch.device) -> torch.Tensor:
-        return torch.tensor(boundaries, dtype=torch.int64).to(device, non_blocking=True)
-
-    def region_counts(self, sorted_indices: torch.Tensor, boundaries: list[int]) -> list[int]:
-        edges = self._boundaries(boundaries, sorted_indices.device)
-        positions = torch.searchsorted(sorted_indices, edges)
-        return (positions[1:] - positions[:-1]).tolist()  # host sync: splits live on the CPU
-
-    def region_offsets(self, sorted_indices: torch.Tensor, boundaries: list[int]) -> torch.Tensor:
-        edges = self._boundaries(boundaries, sorted_indices.device)
-        region = torch.searchsorted(edges[1:-1], sorted_indices, right=True)
-        return edges.index_select(0, region)
-
-    def pack_rows(
-        self, indices: torch.Tensor, offset: torch.Tensor | int, values: torch.Tensor
-    ) -> torch.Tensor:
-        local = (indices - offset).to(torch.int32)
-        index_bytes = local.view(torch.uint8).view(-1, 4)
-        value_bytes = values.contiguous().view(torch.uint8).view(-1, values.element_size())
-        return torch.cat([index_bytes, value_bytes], dim=1)
-
-    def unpack_rows(
-        self, rows: torch.Tensor, wire_like: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Fresh buffers, not .contiguous(): with 0 or 1 rows the column slices are
-        # already "contiguous" at a byte offset or row stride that a wider dtype cannot
-        # view (e.g. float64 at offset 4).
-        count, width = rows.shape
-        index_bytes = torch.empty((count, 4), dtype=torch.uint8, device=rows.device)
-        value_bytes = torch.empty((count, width - 4), dtype=torch.uint8, device=rows.device)
-        indices = index_bytes.copy_(rows[:, :4]).view(torch.int32).view(-1).to(torch.int64)
-        values = value_bytes.copy_(rows[:, 4:]).view(wire_like.dtype).view(-1)
-        return indices, values
-
-    def unique_inverse(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.unique(indices, sorted=True, return_inverse=True)
-
-    # ---- global selection (radix select over fp32 magnitude bits)
-    def magnitude_keys(self, values: torch.Tensor) -> torch.Tensor:
-        return values.abs().to(torch.float32).view(torch.int32)
-
-    def radix_start(self, like: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # torch.full is a kernel launch, not a blocking host-to-device copy.
-        prefix = torch.zeros((), dtype=torch.int32, device=like.device)
-        remaining = torch.full((), k, dtype=torch.int64, device=like.device)
-        return prefix, remaining
-
-    def digit_histogram(self, keys: torch.Tensor, prefix: torch.Tensor, shift: int) -> torch.Tensor:
-        digit = (keys >> shift) & (_HISTOGRAM_BINS - 1)
-        if shift + 8 < 32:
-            active = (keys >> (shift + 8)) == (prefix >> (shift + 8))
-            digit = torch.where(active, digit, _HISTOGRAM_BINS)  # bin 256: not in the running
-        counts = torch.zeros(_HISTOGRAM_BINS + 1, dtype=torch.int32, device=keys.device)
-        counts.scatter_add_(0, digit.to(torch.int64), torch.ones_like(digit))
-        return counts[:_HISTOGRAM_BINS]
-
-    def choose_digit(
-        self, histogram: torch.Tensor, remaining: torch.Tensor, prefix: torch.Tensor, shift: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        counts = histogram.to(torch.int64)
-        at_least = counts.flip(0).cumsum(0).flip(0)  # at_least[d] = #digits >= d
-        digit = ((at_least >= remaining).sum() - 1).clamp(min=0)
-        greater = at_least.gather(0, digit.view(1)) - counts.gather(0, digit.view(1))
-        return prefix | (digit.to(torch.int32) << shift), remaining - greater.view(())
-
-    def mask_at_least(self, keys: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-        return keys >= threshold
-
-    def larger_key(self, key: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        return torch.maximum(key, other)
-
-    def scale_key(self, key: torch.Tensor, factor: float) -> torch.Tensor:
-        # Keys are the bits of an fp32 magnitude: scale the float, take its bits again.
-        return (key.view(torch.float32) * factor).view(torch.int32)
-
-    def concat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(list(tensors))
-
-    def chunks(self, tensor: torch.Tensor, count: int) -> list[torch.Tensor]:
-        return list(tensor.view(count, -1).unbind(0))
-
-    def split_by_mask(
-        self, mask: torch.Tensor, *tensors: torch.Tensor
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        keep = mask.nonzero().view(-1)  # host sync: the all-gather needs its send size
-        # The drop count is known on the host now: no second sync.
-        drop = torch.nonzero_static(~mask, size=mask.numel() - keep.numel()).view(-1)
-        return [t.index_select(0, keep) for t in tensors], [
-            t.index_select(0, drop) for t in tensors
-        ]
-
-    def count_in_range(self, indices: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        return ((indices >= lo) & (indices < hi)).sum()
-
-    def scatter_into(
-        self,
-        numel: int,
-        like: torch.Tensor,
-        indices: torch.Tensor,
-        values: torch.Tensor,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if out is None:
-            out = torch.zeros(numel, dtype=like.dtype, device=like.device)
-        else:
-            out.zero_()
-        return out.index_copy_(0, indices, values.to(out.dtype))
 
     # ---- collectives
     def alltoall_async(
@@ -357,12 +55,6 @@ class TorchBackend(HorovodPrimitives):
     ) -> _Pending:
         handle = hvd.allreduce_async_(tensor, name=name, op=hvd.Sum, process_set=process_set)
         return _Pending(handle, "plain")
-
-    def zero_(self, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer.zero_()
-
-    def from_host(self, values: list[float], like: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float64, device=like.device)
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: str, process_set: Any) -> Any:
         return hvd.broadcast(tensor, root_rank=root, name=name, process_set=process_set)

@@ -1,7 +1,8 @@
 """The sparse allreduce as a ``DistributedDataParallel`` communication hook.
 
-    state = SparseState(density=0.01)
+    state = SparseState(density=0.01, momentum=0.9)  # SGD's momentum, run by the hook
     model.register_comm_hook(state, sparse_allreduce_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # so: no momentum here
 
 Named after PyTorch's ``PowerSGDState`` / ``powerSGD_hook``. Each DDP bucket is one
 :class:`~horovod_sparse.common.pipeline.BucketReducer` (error feedback, threshold
@@ -28,10 +29,11 @@ from horovod_sparse.common.config import (
     make_config,
     optimizer_scales,
 )
+from horovod_sparse.common.correction import sgd_direction
 from horovod_sparse.common.handle import BucketHandle
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.stats import StepStats, dense_allreduce_stats
-from horovod_sparse.torch.distributed import DistributedBackend
+from horovod_sparse.torch.distributed import DistributedBackend, FP16Values
 
 __all__ = ["SparseState", "sparse_allreduce_hook"]
 
@@ -39,6 +41,8 @@ BACKEND = DistributedBackend()
 # The per-tensor options, and min_sparse_numel: a DDP bucket smaller than it is averaged
 # densely (DDP's buckets hold whole parameters, so small ones rarely get a bucket alone).
 HOOK_OPTIONS = PER_TENSOR_OPTIONS | {"min_sparse_numel"}
+# The velocity key of the instance's first iteration, whose one bucket holds everything.
+WHOLE = -1
 
 
 class SparseState:
@@ -49,6 +53,16 @@ class SparseState:
     Args:
         density: the fraction of each bucket's entries the exchange keeps, in (0, 1].
         process_group: the group to reduce over (None: the default group).
+        momentum, nesterov: SGD momentum run by the hook on each rank's gradient before
+            the exchange (DGC's momentum correction, with momentum factor masking); the
+            optimizer is then built without momentum (``SGD(params, lr)``), and steps by
+            the exchanged direction. At density 1 this is momentum SGD up to rounding.
+            Without it, error feedback's late lumps meet the optimizer's momentum, which
+            amplifies them (default 0: off; a hook cannot see the optimizer).
+        fp16_values: send the sparse buckets' values as fp16 (indices stay int32): 6
+            bytes per kept entry instead of 8 in fp32. The rounding stays in the
+            residual. Dense buckets (the first iteration, ones under
+            ``min_sparse_numel``) go at the gradient's own precision.
         **options: the per-tensor options of
             :class:`~horovod_sparse.common.config.SparseConfig`: ``selection``,
             ``partition``, ``reestimate_steps``, ``repartition_steps``, ``warmup_steps``,
@@ -63,21 +77,50 @@ class SparseState:
     reduces each with its own residual, as the uninterrupted run does.
     """
 
-    def __init__(self, density: float = 0.01, process_group: Any = None, **options: Any) -> None:
+    def __init__(
+        self,
+        density: float = 0.01,
+        process_group: Any = None,
+        *,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        fp16_values: bool = False,
+        **options: Any,
+    ) -> None:
+        for name, flag in (("fp16_values", fp16_values), ("nesterov", nesterov)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, not {flag!r}")
+        if not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be a number in [0, 1), not {momentum!r}")
+        if nesterov and momentum == 0.0:
+            raise ValueError("nesterov=True needs momentum > 0")
         config = make_config(dict(options, density=density))
         config.unsupported("the DDP communication hook", HOOK_OPTIONS)
-        self._begin(config, process_group)
+        self._begin(config, process_group, float(momentum), nesterov, fp16_values)
 
-    def _begin(self, config: SparseConfig, process_group: Any) -> None:
+    def _begin(
+        self,
+        config: SparseConfig,
+        process_group: Any,
+        momentum: float,
+        nesterov: bool,
+        fp16_values: bool,
+    ) -> None:
         self.config = config
         self.process_group = process_group
+        self.momentum = momentum
+        self.nesterov = nesterov
+        self.fp16_values = fp16_values
         self.iteration = 0
         self.reducers: dict[int, BucketReducer] = {}
         self._saved: dict[int, dict[str, Any]] = {}  # loaded, for buckets not yet reduced
         # Each bucket's parameters, as positions in the instance's first (whole) bucket.
         self.layout: dict[int, list[int]] = {}
         self._positions: dict[int, int] = {}  # id(parameter) -> position, this instance
+        self._pieces: list[tuple[int, int]] = []  # per position: (offset, numel) in it
         self._last: dict[int, StepStats | None] = {}  # per bucket: dense figures, or None
+        # Momentum correction's velocity per bucket index (WHOLE: the first iteration's).
+        self.velocity: dict[int, torch.Tensor] = {}
 
     def reducer(self, index: int, buffer: torch.Tensor) -> BucketReducer:
         """The reducer of DDP bucket ``index`` (created at its first sparse step)."""
@@ -95,6 +138,7 @@ class SparseState:
                 buffer,
                 self.config,
                 self.process_group,
+                FP16Values if self.fp16_values else None,
             )
             saved = self._saved.pop(index, None)
             if saved is not None:
@@ -115,6 +159,7 @@ class SparseState:
             "iteration": self.iteration,
             "buckets": {**self._saved, **buckets},
             "layout": {index: list(p) for index, p in self.layout.items()},
+            "velocity": {index: v.clone() for index, v in self.velocity.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -122,15 +167,23 @@ class SparseState:
         self.reducers = {}
         self._saved = {int(i): s for i, s in state["buckets"].items()}
         self.layout = {int(i): [int(p) for p in ps] for i, ps in state["layout"].items()}
-        self._positions = {}  # the next call is a new DDP instance's first
+        self.velocity = {int(i): v.clone() for i, v in state["velocity"].items()}
+        self._positions, self._pieces = {}, []  # the next call is a new DDP instance's first
 
     def __getstate__(self) -> dict[str, Any]:
         # A process group does not pickle: the unpickled state reduces over the default
         # group unless one is set (as PowerSGDState does).
-        return {"config": self.config, "saved": self.state_dict()}
+        return {
+            "config": self.config,
+            "momentum": self.momentum,
+            "nesterov": self.nesterov,
+            "fp16_values": self.fp16_values,
+            "saved": self.state_dict(),
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._begin(state["config"], None)
+        options = (state["momentum"], state["nesterov"], state["fp16_values"])
+        self._begin(state["config"], None, *options)
         self.load_state_dict(state["saved"])
 
     # ---------------------------------------------------------------- one bucket
@@ -148,11 +201,40 @@ class SparseState:
                     "so unless find_unused_parameters=True, which this hook does not support)"
                 )
             self._positions = {id(p): i for i, p in enumerate(parameters)}
+            offset = 0
+            for p in parameters:
+                self._pieces.append((offset, p.numel()))
+                offset += p.numel()
             if self.layout:
-                return self._replay(buffer, parameters)
+                return self._replay(buffer)
+            self._correct(WHOLE, buffer)
             return self._dense(bucket.index(), buffer)
-        self.layout[bucket.index()] = [self._positions[id(p)] for p in parameters]
-        return self._sparse(bucket.index(), buffer)
+        index = bucket.index()
+        self.layout[index] = [self._positions[id(p)] for p in parameters]
+        whole = self.velocity.get(WHOLE)
+        if whole is not None and index not in self.velocity:
+            # The first rebuilt iteration: each bucket takes its parameters' velocity.
+            self.velocity[index] = self._cut(whole, index)
+        result = self._sparse(index, buffer)
+        if bucket.is_last():
+            self.velocity.pop(WHOLE, None)  # every bucket has taken its part
+        return result
+
+    def _cut(self, whole: torch.Tensor, index: int) -> torch.Tensor:
+        """Bucket ``index``'s entries of a tensor laid out as the first (whole) bucket."""
+        pieces = [self._pieces[i] for i in self.layout[index]]
+        return torch.cat([whole[a : a + n] for a, n in pieces])
+
+    def _correct(self, key: int, buffer: torch.Tensor) -> None:
+        """With ``momentum``, replace the gradient in ``buffer`` by this rank's SGD
+        momentum direction (DGC's momentum correction), updating the velocity."""
+        if not self.momentum:
+            return
+        velocity = self.velocity.get(key)
+        if velocity is None:
+            velocity = self.velocity[key] = torch.zeros_like(buffer)  # u starts as g
+        direction, _ = sgd_direction(BACKEND, buffer, velocity, self.momentum, 0.0, self.nesterov)
+        buffer.copy_(direction)
 
     def _dense(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
         size = dist.get_world_size(self.process_group)
@@ -162,28 +244,25 @@ class SparseState:
         return buffer
 
     def _sparse(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
+        self._correct(index, buffer)
         if buffer.numel() < self.config.min_sparse_numel:
             return self._dense(index, buffer)
         self._last[index] = None
         reducer = self.reducer(index, buffer)
+        # Momentum factor masking: the entries sent leave the velocity too.
+        reducer.velocity = self.velocity.get(index)
         size = dist.get_world_size(self.process_group)
         prescale, postscale = optimizer_scales("average", size, 1.0)
         stage = reducer.start(buffer, prescale)
         return BucketHandle(reducer, stage, buffer, postscale, out=buffer).wait()
 
-    def _replay(self, buffer: torch.Tensor, parameters: list[torch.Tensor]) -> torch.Tensor:
+    def _replay(self, buffer: torch.Tensor) -> torch.Tensor:
         """A resumed instance's first iteration: the whole bucket cut into the saved
         buckets, each reduced with its own residual, in the saved index order."""
-        starts, offset = [], 0
-        for p in parameters:
-            starts.append(offset)
-            offset += p.numel()
         for index in sorted(self.layout):
-            pieces = [(starts[i], parameters[i].numel()) for i in self.layout[index]]
-            flat = torch.cat([buffer[a : a + n] for a, n in pieces])
-            result = self._sparse(index, flat)
+            result = self._sparse(index, self._cut(buffer, index))
             done = 0
-            for a, n in pieces:
+            for a, n in (self._pieces[i] for i in self.layout[index]):
                 buffer[a : a + n].copy_(result[done : done + n])
                 done += n
         return buffer

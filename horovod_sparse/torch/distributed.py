@@ -1,7 +1,7 @@
 """The collectives port on ``torch.distributed``: the same stages, on a process group.
 
-:class:`DistributedBackend` is :class:`~horovod_sparse.torch.backend.TorchBackend`'s
-tensor kernels with ``torch.distributed`` collectives in place of Horovod's, so the DDP
+:class:`DistributedBackend` is :class:`~horovod_sparse.torch.kernels.TorchKernels` with
+``torch.distributed`` collectives (no Horovod is imported), so the DDP
 communication hook (:mod:`horovod_sparse.torch.ddp`) runs the algorithm's one copy in
 ``horovod_sparse.common``. What each collective sends:
 
@@ -25,9 +25,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from horovod_sparse.torch.backend import TorchBackend
+from horovod_sparse.torch.kernels import TorchKernels
 
-__all__ = ["DistributedBackend"]
+__all__ = ["DistributedBackend", "FP16Values"]
 
 
 @dataclass
@@ -38,24 +38,32 @@ class _Work:
     finish: Callable[[], Any]
 
 
-class DistributedBackend(TorchBackend):
-    """Stateless; one shared instance serves every bucket of every process group."""
+class FP16Values:
+    """Value compression in Horovod's ``Compression`` interface: floating-point values
+    travel as fp16 (half of fp32's value bytes; indices stay int32). The engine keeps
+    what the rounding loses in the residual, so no gradient mass is dropped."""
 
-    no_compression = None
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None]:
+        if tensor.dtype in (torch.float32, torch.float64):
+            return tensor.to(torch.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        return tensor if dtype is None else tensor.to(dtype)
+
+
+class DistributedBackend(TorchKernels):
+    """Stateless; one shared instance serves every bucket of every process group.
+    Value compression: None, or an object with ``compress``/``decompress`` such as
+    :class:`FP16Values`."""
 
     def rank(self, process_set: Any) -> int:
         return int(dist.get_rank(process_set))
 
     def size(self, process_set: Any) -> int:
         return int(dist.get_world_size(process_set))
-
-    def compress(self, values: torch.Tensor, compression: Any) -> tuple[torch.Tensor, Any, Any]:
-        if compression is not None:
-            raise ValueError("the torch.distributed port takes no Horovod compression")
-        return values, None, None
-
-    def decompress(self, wire: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return wire
 
     # ---- collectives
     def alltoall_async(self, rows: torch.Tensor, splits: list[int], name: str, group: Any) -> Any:

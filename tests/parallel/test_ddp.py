@@ -123,17 +123,21 @@ def make_run(state):
     # Small buckets: the model's gradients fill several, each with its own residual.
     model = DistributedDataParallel(Net(), bucket_cap_mb=0.03)
     model.register_comm_hook(state, sparse_allreduce_hook)
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # With the hook's momentum correction, the optimizer has none of its own.
+    momentum = 0.0 if state is not None and state.momentum else 0.9
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
 
 
 def flat_parameters(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def test_a_state_saved_before_any_sparse_step_resumes_densely():
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_state_saved_before_any_sparse_step_resumes_densely(momentum):
     """Saved after DDP's first (dense) iteration, the state has no bucket layout yet: the
-    resumed instance's first iteration is a dense average, then sparse steps follow."""
-    state = SparseState(density=0.05, min_sparse_numel=5000)
+    resumed instance's first iteration is a dense average, then sparse steps follow.
+    With momentum correction, the first iteration's velocity is carried and cut."""
+    state = SparseState(density=0.05, min_sparse_numel=5000, momentum=momentum)
     model, optimizer = make_run(state)
     train(model, optimizer, range(1))
     resumed_state = pickle.loads(pickle.dumps(state))
@@ -142,13 +146,17 @@ def test_a_state_saved_before_any_sparse_step_resumes_densely():
     resumed.load_state_dict(model.state_dict())
     train(resumed, resumed_optimizer, range(1, 4))
     assert resumed_state.stats().sparse_buckets >= 2 and resumed_state.iteration == 4
+    if momentum:
+        assert -1 not in resumed_state.velocity  # the whole bucket's, cut into buckets
+        assert set(resumed_state.velocity) == set(resumed_state.layout)
     flat = flat_parameters(resumed)
     for row in gather(flat):
         np.testing.assert_array_equal(row, flat.numpy())
 
 
-def test_parameters_identical_and_a_checkpoint_resumes_exactly():
-    state = SparseState(density=0.05, min_sparse_numel=5000)
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_parameters_identical_and_a_checkpoint_resumes_exactly(momentum):
+    state = SparseState(density=0.05, min_sparse_numel=5000, momentum=momentum)
     model, optimizer = make_run(state)
     train(model, optimizer, range(4))
     saved = io.BytesIO()
@@ -175,7 +183,7 @@ def test_parameters_identical_and_a_checkpoint_resumes_exactly():
     for restore in ("state_dict", "pickle"):
         saved.seek(0)
         checkpoint = torch.load(saved, weights_only=False)
-        resumed_state = SparseState(density=0.05, min_sparse_numel=5000)
+        resumed_state = SparseState(density=0.05, min_sparse_numel=5000, momentum=momentum)
         if restore == "state_dict":
             resumed_state.load_state_dict(checkpoint["hook"])
         else:
@@ -185,3 +193,113 @@ def test_parameters_identical_and_a_checkpoint_resumes_exactly():
         resumed_optimizer.load_state_dict(checkpoint["optimizer"])
         train(resumed, resumed_optimizer, range(4, 8))
         assert torch.equal(flat_parameters(resumed), uninterrupted), restore
+
+
+def test_fp16_values_send_fewer_bytes_and_keep_every_entry():
+    """fp16 values on the first sparse iteration: nearly the same entries as fp32 (the
+    global selection ranks owner sums of rounded values, so an entry at the threshold
+    may change), equal values to fp16 rounding, fewer bytes (rows of 6 bytes instead of
+    8; the global threshold's histogram allreduces are the same size, so the total is
+    about 0.89x here, not 0.75x). The rounding stays in the residuals, so the invariant
+    holds at every iteration as tightly as without fp16."""
+    numel, density = 20_000, 0.02
+    options = dict(density=density, selection="exact", global_selection="exact")
+    runs = {}
+    for fp16 in (False, True):
+        state = SparseState(fp16_values=fp16, **options)
+        model = DistributedDataParallel(Exact(numel))
+        model.register_comm_hook(state, sparse_allreduce_hook)
+        reduced_grad(model, local_grad(0, numel))  # iteration 0: dense
+        runs[fp16] = (state, model)
+    grad = local_grad(1, numel)
+    full, half = (reduced_grad(runs[fp16][1], grad) for fp16 in (False, True))
+    chosen_half, chosen_full = np.flatnonzero(half.numpy()), np.flatnonzero(full.numpy())
+    common = np.intersect1d(chosen_half, chosen_full)
+    assert len(common) >= 0.98 * max(len(chosen_half), len(chosen_full)), (
+        len(common),
+        len(chosen_half),
+        len(chosen_full),
+    )
+    torch.testing.assert_close(half[common], full[common], rtol=2e-3, atol=1e-6)
+    assert not torch.equal(half, full)  # fp16 did round something
+    full_stats, half_stats = (runs[fp16][0].stats() for fp16 in (False, True))
+    assert half_stats.bytes_sent <= 0.9 * full_stats.bytes_sent, (
+        half_stats.bytes_sent,
+        full_stats.bytes_sent,
+    )
+
+    state, model = runs[True]
+    before = state.reducers[0].residual.numpy().copy()
+    for step in range(2, 6):
+        grad = local_grad(step, numel)
+        owed = np.sum(gather(torch.from_numpy(before) + grad), axis=0)
+        got = reduced_grad(model, grad).numpy()
+        after = state.reducers[0].residual.numpy().copy()
+        owed_after = np.sum(gather(torch.from_numpy(after)), axis=0) + SIZE * got
+        np.testing.assert_allclose(owed_after, owed, atol=1e-4)
+        before = after
+    restored = pickle.loads(pickle.dumps(state))
+    assert restored.fp16_values and restored.reducers == {}
+    with pytest.raises(TypeError, match="fp16_values"):
+        SparseState(fp16_values="yes")
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_correction_at_density_one_equals_momentum_sgd(nesterov):
+    """The hook's momentum with a momentum-free SGD steps as DDP's default allreduce with
+    SGD's own momentum, over several buckets and steps (momentum is linear)."""
+    torch.manual_seed(0)
+    default = DistributedDataParallel(Net(), bucket_cap_mb=0.03)
+    plain = torch.optim.SGD(default.parameters(), lr=0.1, momentum=0.9, nesterov=nesterov)
+    state = SparseState(density=1.0, momentum=0.9, nesterov=nesterov)
+    hooked, corrected = make_run(state)
+    assert corrected.param_groups[0]["momentum"] == 0.0
+    train(default, plain, range(6))
+    train(hooked, corrected, range(6))
+    torch.testing.assert_close(
+        flat_parameters(hooked), flat_parameters(default), rtol=1e-6, atol=1e-6
+    )
+
+
+def test_momentum_correction_exchanges_the_velocity_and_masks_what_it_sent():
+    """Exact selection with momentum: each rank's accumulator is residual + m·u + g (u
+    the masked velocity); the result equals tests/reference.py on those accumulators;
+    the velocity is zero exactly at the rank's local top-k and m·u + g elsewhere."""
+    numel, density, momentum = 20_000, 0.02, 0.9
+    k = budget(numel, density)
+    state = SparseState(
+        density=density, selection="exact", global_selection="exact", momentum=momentum
+    )
+    model = DistributedDataParallel(Exact(numel))
+    model.register_comm_hook(state, sparse_allreduce_hook)
+    first = local_grad(0, numel)
+    np.testing.assert_allclose(
+        reduced_grad(model, first).numpy(), np.mean(gather(first), axis=0), rtol=1e-6, atol=1e-6
+    )
+    before, velocity = np.zeros(numel, np.float32), first.numpy().copy()
+    for step in range(1, 5):
+        grad = local_grad(step, numel).numpy()
+        direction = momentum * velocity + grad
+        accumulator = before + direction
+        accumulators = gather(torch.from_numpy(accumulator))
+        boundaries = state.reducers[0].boundaries if step > 1 else uniform_boundaries(numel, SIZE)
+        got = reduced_grad(model, torch.from_numpy(grad)).numpy()
+        expected = reference_step(accumulators, k, boundaries)
+        np.testing.assert_array_equal(np.flatnonzero(got), expected.selected)
+        np.testing.assert_allclose(got * SIZE, expected.result_sum, rtol=1e-5, atol=1e-5)
+        after = state.reducers[0].residual.numpy().copy()
+        np.testing.assert_allclose(after, expected.residuals[RANK], rtol=1e-6, atol=1e-6)
+        sent = np.argpartition(-np.abs(accumulator), k)[:k]
+        masked = direction.copy()
+        masked[sent] = 0.0
+        np.testing.assert_allclose(state.velocity[0].numpy(), masked, rtol=1e-6, atol=1e-6)
+        before, velocity = after, state.velocity[0].numpy().copy()
+
+
+def test_bad_hook_options_are_refused():
+    with pytest.raises(ValueError, match="momentum"):
+        SparseState(momentum=1.5)
+    with pytest.raises(ValueError, match="nesterov"):
+        SparseState(nesterov=True)
+    with pytest.raises(TypeError, match="nesterov"):
+        SparseState(momentum=0.9, nesterov=1)

@@ -81,9 +81,10 @@ def backend(request):
 def test_adapters_implement_every_primitive():
     from horovod_sparse.tensorflow.backend import TFBackend
     from horovod_sparse.torch.backend import TorchBackend
+    from horovod_sparse.torch.distributed import DistributedBackend
 
     required = {n for n, _ in inspect.getmembers(Backend) if not n.startswith("_")}
-    for cls in (TorchBackend, TFBackend):
+    for cls in (TorchBackend, DistributedBackend, TFBackend):
         missing = sorted(n for n in required if not callable(getattr(cls, n, None)))
         assert not missing, f"{cls.__name__} lacks {missing}"
 

@@ -1,5 +1,6 @@
-"""Importing an adapter without Horovod, or with a Horovod built without that framework,
-fails at once with a message that names what is missing and what to run."""
+"""Using an adapter without Horovod, or with a Horovod built without that framework,
+fails at once with a message that names what is missing and what to run; the DDP hook
+(horovod_sparse.torch.ddp) needs no Horovod at all."""
 
 import subprocess
 import sys
@@ -19,15 +20,27 @@ class Blocker(importlib.abc.MetaPathFinder):
             raise ImportError(f"blocked for the test: {{name}}")
         return None
 sys.meta_path.insert(0, Blocker())
-import horovod_sparse.{framework}
 """
+# What a user's script does first: TensorFlow's package needs Horovod at import, the
+# torch package for its Horovod names (the DDP hook beside them does not).
+FIRST_USE = {
+    "torch": "from horovod_sparse.torch import DistributedOptimizer",
+    "tensorflow": "import horovod_sparse.tensorflow",
+}
+
+
+def run_with_blocked(blocked: set[str], code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKER.format(blocked=blocked) + code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def import_with_blocked(framework: str, blocked: set[str]) -> str:
-    code = BLOCKER.format(blocked=blocked, framework=framework)
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    done = run_with_blocked(blocked, FIRST_USE[framework])
     assert done.returncode != 0
     return done.stderr.strip().splitlines()[-1]
 
@@ -39,6 +52,56 @@ def test_without_horovod_the_error_says_what_to_run(framework):
     assert f"horovod_sparse.{framework} needs Horovod, which is not installed" in last
     assert "`python -m horovod_sparse.build_horovod` builds it into this environment" in last
     assert "horovodrun --check-build" in last
+    if framework == "torch":
+        assert "horovod_sparse.torch.ddp, the DistributedDataParallel hook, does not" in last
+
+
+def test_without_horovod_each_horovod_name_of_the_torch_package_raises_the_same_error():
+    done = run_with_blocked(
+        {"horovod"},
+        "import horovod_sparse.torch as hvds\n"
+        "print('all', *hvds.__all__)\n"
+        "for name in hvds.__all__:\n"
+        "    try:\n"
+        "        getattr(hvds, name)\n"
+        "    except ImportError as error:\n"
+        "        assert 'needs Horovod, which is not installed' in str(error), error\n"
+        "        print('refused', name)\n"
+        "import horovod_sparse.torch.backend\n",
+    )
+    assert done.returncode != 0  # the Horovod backend, imported directly: the same error
+    assert "needs Horovod, which is not installed" in done.stderr.strip().splitlines()[-1]
+    lines = done.stdout.splitlines()
+    refused = {line.split()[1] for line in lines if line.startswith("refused ")}
+    names = next(line.split()[1:] for line in lines if line.startswith("all "))
+    assert refused == set(names) - {"StepStats"}  # StepStats is Horovod-free
+    assert len(refused) == 9, refused
+
+
+# One rank, Gloo over a file store: the hook averages DDP's gradients without Horovod.
+DDP_WITHOUT_HOROVOD = """
+import os, sys, tempfile
+import torch, torch.distributed as dist
+from horovod_sparse.torch.ddp import SparseState, sparse_allreduce_hook
+store = os.path.join(tempfile.mkdtemp(), "store")
+dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(200, 50))
+state = SparseState(density=0.1, min_sparse_numel=100)
+model.register_comm_hook(state, sparse_allreduce_hook)
+for step in range(3):
+    model.zero_grad()
+    x = torch.randn(8, 200, generator=torch.Generator().manual_seed(step))
+    model(x).square().sum().backward()
+assert state.stats().sparse_buckets == 1 and state.iteration == 3, state.stats()
+assert "horovod" not in sys.modules and "horovod.torch" not in sys.modules
+print("ok", state.stats().selected)
+"""
+
+
+def test_the_ddp_hook_runs_without_horovod():
+    done = run_with_blocked({"horovod", "horovod.torch"}, DDP_WITHOUT_HOROVOD)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == "ok"
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""The README's quickstarts, as whole programs, pass at 2 ranks under horovodrun: the loss
-falls by half, every rank holds the same parameters, under a tenth of dense bytes moved.
+"""The README's quickstarts, as whole programs, pass at 2 ranks under horovodrun (the DDP
+one under torchrun): the loss falls by half, every rank holds the same parameters, under
+a tenth of dense bytes moved.
 The PyTorch job's output has no TensorFlow log line (horovodrun's extension check)."""
 
 import os
@@ -32,3 +33,17 @@ def test_quickstart_passes_at_two_ranks(script):
     assert "[0]<stdout>:quickstart OK: loss" in output, output[-4000:]
     if "pytorch" in script:
         assert "oneDNN" not in output and "absl::InitializeLog" not in output, output[-4000:]
+
+
+def test_ddp_quickstart_passes_at_two_ranks_under_torchrun():
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    done = subprocess.run(
+        [*torchrun, "--nproc-per-node", "2", "examples/pytorch/quickstart_ddp.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "quickstart OK: loss" in output, output[-4000:]

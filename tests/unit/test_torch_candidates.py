@@ -5,21 +5,21 @@ import numpy as np
 import pytest
 import torch
 
-import horovod_sparse.torch.backend as torch_backend
+import horovod_sparse.torch.kernels as torch_kernels
 
 
 @pytest.mark.parametrize("chunk", [8, 24, 1 << 20])  # many chunks, a ragged last one, one
 @pytest.mark.parametrize("numel", [1, 7, 64, 1003, 4096])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
 def test_cpu_candidates_equal_the_definition(monkeypatch, chunk, numel, dtype):
-    monkeypatch.setattr(torch_backend, "_CANDIDATE_CHUNK", chunk)
+    monkeypatch.setattr(torch_kernels, "_CANDIDATE_CHUNK", chunk)
     rng = np.random.default_rng(numel + chunk)
     values = torch.from_numpy(rng.standard_normal(numel)).to(dtype)
     values[:: max(1, numel // 5)] = float("nan")
     if numel > 3:
         values[3] = -float("inf")
     threshold = torch.tensor(1.0, dtype=dtype)
-    got = torch_backend.TorchBackend().indices_at_least(values, threshold)
+    got = torch_kernels.TorchKernels().indices_at_least(values, threshold)
     magnitudes = values.abs()
     expected = ((magnitudes >= threshold) | torch.isnan(values)).nonzero().view(-1)
     assert got.dtype == torch.int64
@@ -30,4 +30,4 @@ def test_nonzero_by_words_equals_nonzero():
     rng = np.random.default_rng(0)
     for density in (0.0, 0.01, 0.5, 1.0):
         mask = torch.from_numpy(rng.random(8 * 1000) < density)
-        assert torch.equal(torch_backend._nonzero_by_words(mask), mask.nonzero().view(-1))
+        assert torch.equal(torch_kernels._nonzero_by_words(mask), mask.nonzero().view(-1))
