@@ -9,7 +9,9 @@ PowerSGD or the sparse hook, launched as DDP jobs are (no Horovod needed):
 The data, model and optimizer are those of ``digits_cnn.py`` (rank r trains on every
 P-th training image from r; SGD with momentum 0.9, the learning rate scaled by P; 600
 steps) and ``char_lm.py`` (random windows of standard-library sources per rank; AdamW,
-lr 1e-3, weight decay 0.01; 500 steps). Rank 0 prints the final metric and the bytes one
+lr 1e-3, weight decay 0.01; 500 steps). With the sparse hook, SGD's momentum runs in the
+hook (momentum correction; ``--no-momentum-correction`` leaves it in the optimizer);
+AdamW has no such correction in the hook. Rank 0 prints the final metric and the bytes one
 rank sends and receives per step: measured by the sparse hook's ``stats()``; for
 allreduce and PowerSGD, those of the ring allreduces they issue (PowerSGD: P and Q of
 each matrix it compresses, at its rank, and the other tensors uncompressed).
@@ -46,11 +48,12 @@ class Task:
 
     steps: int
     metric: str
+    momentum = 0.0  # SGD momentum, which the sparse hook can run instead (correction)
 
     def model(self) -> torch.nn.Module:
         raise NotImplementedError
 
-    def optimizer(self, parameters: Any, size: int) -> torch.optim.Optimizer:
+    def optimizer(self, parameters: Any, size: int, momentum: float) -> torch.optim.Optimizer:
         raise NotImplementedError
 
     def batches(self, rank: int, size: int, seed: int) -> Batches:
@@ -64,7 +67,7 @@ class Task:
 
 
 class Digits(Task):
-    steps, metric = 600, "final_test_acc"
+    steps, metric, momentum = 600, "final_test_acc", 0.9
 
     def __init__(self) -> None:
         self.x_train, self.y_train, self.x_test, self.y_test = digits_cnn.load_split()
@@ -72,8 +75,8 @@ class Digits(Task):
     def model(self) -> torch.nn.Module:
         return digits_cnn.DigitsCNN()
 
-    def optimizer(self, parameters: Any, size: int) -> torch.optim.Optimizer:
-        return torch.optim.SGD(parameters, lr=0.02 * size, momentum=0.9)
+    def optimizer(self, parameters: Any, size: int, momentum: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(parameters, lr=0.02 * size, momentum=momentum)
 
     def batches(self, rank: int, size: int, seed: int) -> Batches:
         order = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -95,7 +98,7 @@ class CharLM(Task):
     def model(self) -> torch.nn.Module:
         return char_lm.CharTransformer(self.context)
 
-    def optimizer(self, parameters: Any, size: int) -> torch.optim.Optimizer:
+    def optimizer(self, parameters: Any, size: int, momentum: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.01)
 
     def batches(self, rank: int, size: int, seed: int) -> Batches:
@@ -135,9 +138,15 @@ def main() -> None:
     parser.add_argument("--hook", choices=("allreduce", "powersgd", "sparse"), default="sparse")
     parser.add_argument("--density", type=float, default=0.01, help="--hook sparse")
     parser.add_argument("--fp16-values", action="store_true", help="--hook sparse")
+    parser.add_argument(
+        "--no-momentum-correction",
+        action="store_true",
+        help="--hook sparse: leave SGD's momentum in the optimizer (plain error feedback)",
+    )
     parser.add_argument("--rank", type=int, default=2, help="--hook powersgd: matrix rank")
     parser.add_argument("--warmup", type=int, default=10, help="PowerSGD's dense iterations")
     parser.add_argument("--steps", type=int, default=None, help="default: the task's")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's, every bucket")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the summary here (rank 0)")
     args = parser.parse_args()
@@ -148,14 +157,22 @@ def main() -> None:
     task = TASKS[args.task]()
     steps = args.steps or task.steps
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = DistributedDataParallel(task.model())
+    # An explicit cap applies to DDP's first bucket too (by default 1 MB): both models fit
+    # one bucket. PowerSGD's hook, which issues collectives from future callbacks, hit a
+    # Gloo collective mismatch with the char LM's two default buckets (torch 2.13).
+    model = DistributedDataParallel(task.model(), bucket_cap_mb=args.bucket_cap_mb)
     numel = sum(p.numel() for p in model.parameters())
     dense_bytes = sum(allreduce_ring_bytes(numel, size, 4))
     state: Any = None
+    momentum = task.momentum
     if args.hook == "sparse":
-        state = SparseState(density=args.density, fp16_values=args.fp16_values)
+        # Momentum correction: SGD's momentum runs in the hook, the optimizer has none.
+        corrected = momentum if not args.no_momentum_correction else 0.0
+        state = SparseState(density=args.density, fp16_values=args.fp16_values, momentum=corrected)
         model.register_comm_hook(state, sparse_allreduce_hook)
+        momentum -= corrected
         mode = f"sparse density {args.density}" + (" fp16" if args.fp16_values else "")
+        mode += " no MC" if args.no_momentum_correction and task.momentum else ""
     elif args.hook == "powersgd":
         state = powersgd.PowerSGDState(
             process_group=None,
@@ -166,7 +183,7 @@ def main() -> None:
         mode = f"PowerSGD rank {args.rank}"
     else:
         mode = "DDP allreduce"
-    optimizer = task.optimizer(model.parameters(), size)
+    optimizer = task.optimizer(model.parameters(), size, momentum)
 
     moved = []
     began = time.perf_counter()
@@ -196,7 +213,7 @@ def main() -> None:
         "steps": steps,
         "seed": args.seed,
         task.metric: final,
-        "final_train_loss": float(loss),
+        "final_train_loss": float(loss.detach()),
         "bytes_per_step": sum(moved) / len(moved),
         "dense_bytes_per_step": dense_bytes,
         "parameter_spread": spread,
