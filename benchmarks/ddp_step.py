@@ -18,6 +18,11 @@ needs root):
     python benchmarks/ddp_step.py --model wide_mlp --batch-size 8
     sudo -E .venv/bin/python benchmarks/ddp_step.py --cluster 1g,10g --sizes 4
 
+Launched by ``torchrun`` itself, it is one run at that world size (rank 0 prints the
+table), as any DDP job is launched:
+
+    torchrun --standalone --nproc-per-node 4 benchmarks/ddp_step.py --model wide_mlp
+
 Each configuration runs ``--warmup`` steps (PowerSGD's dense warm-up and the hook's first,
 dense iteration among them), then ``--steps`` timed steps; the median step is reported
 with the bytes one rank sends and receives per step (the hook: ``stats()``; allreduce
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -124,7 +130,10 @@ def worker(args: argparse.Namespace) -> None:
             }
         )
     if dist.get_rank() == 0:
-        Path(args.result).write_text(json.dumps(results))
+        if args.result:
+            Path(args.result).write_text(json.dumps(results))
+        else:  # launched by torchrun directly
+            print(table([dict(row, network="this launch") for row in results]))
     dist.destroy_process_group()
 
 
@@ -178,7 +187,7 @@ def main() -> None:
     parser.add_argument("--result", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help="default: results/ddp_step_*")
     args = parser.parse_args()
-    if args.worker:
+    if args.worker or "TORCHELASTIC_RUN_ID" in os.environ:  # a rank, or torchrun's child
         worker(args)
         return
     networks = args.cluster.split(",") if args.cluster else ["loopback"]
@@ -194,6 +203,14 @@ def main() -> None:
                 run_cluster(args, size, network, result)
             rows += [dict(row, network=network) for row in json.loads(result.read_text())]
             print(f"{network} P={size} done", flush=True)
+    text = table(rows)
+    (out / "table.md").write_text(text + "\n")
+    (out / "rows.json").write_text(json.dumps(rows))
+    print(text)
+    plot(rows, args.model, out / "step_vs_allreduce.png")
+
+
+def table(rows: list[dict]) -> str:
     lines = [
         "| network | P | hook | median step (s) | vs allreduce | bytes/step | vs allreduce |",
         "|---|---:|---|---:|---:|---:|---:|",
@@ -209,10 +226,33 @@ def main() -> None:
             f"{row['median_s'] / base['median_s']:.2f}x | {row['bytes']:,} | "
             f"{row['bytes'] / row['dense_bytes']:.2%} |"
         )
-    table = "\n".join(lines)
-    (out / "table.md").write_text(table + "\n")
-    (out / "rows.json").write_text(json.dumps(rows))
-    print(table)
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], model: str, path: Path) -> None:
+    """Step time against allreduce's, and bytes, per hook: one panel per (network, P)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["network"], r["P"]) for r in rows})
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for axis, (network, size) in zip(axes[0], panels):
+        mine = [r for r in rows if (r["network"], r["P"]) == (network, size)]
+        base = next(r for r in mine if r["config"] == "allreduce")
+        for row in mine:
+            ratio = row["median_s"] / base["median_s"]
+            axis.scatter(row["bytes"], ratio, label=row["config"])
+        axis.axhline(1.0, color="grey", linewidth=0.8)
+        axis.set_xscale("log")
+        axis.set_xlabel("bytes per step and rank")
+        axis.set_ylabel("step time / allreduce's")
+        axis.set_title(f"{model}, {network}, P = {size}")
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
