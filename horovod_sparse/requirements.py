@@ -4,8 +4,8 @@
 missing piece is named with what to run, instead of an ImportError from deep inside the
 first module that needs it. ``horovod_sparse.torch`` needs PyTorch at import but Horovod
 only for its Horovod names (its DDP hook, :mod:`horovod_sparse.torch.ddp`, runs on
-``torch.distributed`` alone): it keeps :func:`horovod_error`'s answer and raises it when
-one of those names is first used.
+``torch.distributed`` alone): it calls :func:`require_horovod` when one of those names is
+first used.
 """
 
 from __future__ import annotations

@@ -10,22 +10,22 @@ Example:
     ... )
 
 The ``DistributedDataParallel`` hook, :mod:`horovod_sparse.torch.ddp`, needs no Horovod:
-without it this package still imports, and the names below raise an ImportError that
-says what to run when first used.
+this package imports Horovod only when one of its Horovod names is first used, which
+raises the ImportError that says what to run if Horovod is missing.
 """
 
-# ruff: noqa: E402  (the checks below run before any import of Horovod)
+# ruff: noqa: E402  (the check below runs before anything else)
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from horovod_sparse.requirements import horovod_error, require_framework
+from horovod_sparse.requirements import require_framework, require_horovod
 
 require_framework("torch")  # a clear error when PyTorch itself is missing
-_HOROVOD_MISSING = horovod_error("torch")
 
 from horovod_sparse.common.stats import StepStats
 
-if _HOROVOD_MISSING is None:
+if TYPE_CHECKING:
     from horovod_sparse.torch.functions import (
         SparseHandle,
         reset_residuals,
@@ -37,7 +37,21 @@ if _HOROVOD_MISSING is None:
     )
     from horovod_sparse.torch.optimizer import DistributedOptimizer, SparseOptimizerMixin
 
-__all__ = [
+# The names that need Horovod, and their modules: imported on first use, so that the
+# DDP hook (horovod_sparse.torch.ddp) imports no Horovod, installed or not.
+_HOROVOD_NAMES = {
+    "DistributedOptimizer": "optimizer",
+    "SparseOptimizerMixin": "optimizer",
+    "SparseHandle": "functions",
+    "reset_residuals": "functions",
+    "residual": "functions",
+    "sparse_allreduce": "functions",
+    "sparse_allreduce_async": "functions",
+    "stats": "functions",
+    "synchronize": "functions",
+}
+
+__all__ = [  # StepStats and _HOROVOD_NAMES (a unit test checks they agree)
     "DistributedOptimizer",
     "SparseHandle",
     "SparseOptimizerMixin",
@@ -52,7 +66,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # Reached only for names not defined above: without Horovod, its names.
-    if name in __all__ and _HOROVOD_MISSING is not None:
-        raise ImportError(str(_HOROVOD_MISSING)) from _HOROVOD_MISSING.__cause__
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _HOROVOD_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    require_horovod("torch")  # the ImportError that says what is missing and what to run
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later uses find it without this function
+    return value

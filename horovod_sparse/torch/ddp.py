@@ -52,7 +52,9 @@ class SparseState:
 
     Args:
         density: the fraction of each bucket's entries the exchange keeps, in (0, 1].
-        process_group: the group to reduce over (None: the default group).
+        process_group: the group to reduce over (None: the default group); DDP's own
+            process group. It does not pickle: an unpickled state reduces over the
+            default group (as PowerSGDState's does).
         momentum, nesterov: SGD momentum run by the hook on each rank's gradient before
             the exchange (DGC's momentum correction, with momentum factor masking); the
             optimizer is then built without momentum (``SGD(params, lr)``), and steps by
@@ -61,8 +63,9 @@ class SparseState:
             amplifies them (default 0: off; a hook cannot see the optimizer).
         fp16_values: send the sparse buckets' values as fp16 (indices stay int32): 6
             bytes per kept entry instead of 8 in fp32. The rounding stays in the
-            residual. Dense buckets (the first iteration, ones under
-            ``min_sparse_numel``) go at the gradient's own precision.
+            residual. The first iteration and buckets under ``min_sparse_numel`` go at
+            the gradient's own precision; a sparse bucket's dense steps (warm-up,
+            density 1) are fp16 allreduces, their rounding kept in the residual too.
         **options: the per-tensor options of
             :class:`~horovod_sparse.common.config.SparseConfig`: ``selection``,
             ``partition``, ``reestimate_steps``, ``repartition_steps``, ``warmup_steps``,
@@ -159,7 +162,7 @@ class SparseState:
             "iteration": self.iteration,
             "buckets": {**self._saved, **buckets},
             "layout": {index: list(p) for index, p in self.layout.items()},
-            "velocity": {index: v.clone() for index, v in self.velocity.items()},
+            "velocity": dict(self.velocity),  # references, as torch optimizers' state
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -167,8 +170,9 @@ class SparseState:
         self.reducers = {}
         self._saved = {int(i): s for i, s in state["buckets"].items()}
         self.layout = {int(i): [int(p) for p in ps] for i, ps in state["layout"].items()}
-        self.velocity = {int(i): v.clone() for i, v in state["velocity"].items()}
+        self.velocity = {int(i): v.clone() for i, v in state.get("velocity", {}).items()}
         self._positions, self._pieces = {}, []  # the next call is a new DDP instance's first
+        self._last = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # A process group does not pickle: the unpickled state reduces over the default
@@ -182,7 +186,8 @@ class SparseState:
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        options = (state["momentum"], state["nesterov"], state["fp16_values"])
+        names = {"momentum": 0.0, "nesterov": False, "fp16_values": False}
+        options = (state.get(name, default) for name, default in names.items())
         self._begin(state["config"], None, *options)
         self.load_state_dict(state["saved"])
 
@@ -210,7 +215,15 @@ class SparseState:
             self._correct(WHOLE, buffer)
             return self._dense(bucket.index(), buffer)
         index = bucket.index()
-        self.layout[index] = [self._positions[id(p)] for p in parameters]
+        positions = [self._positions[id(p)] for p in parameters]
+        if positions != self.layout.get(index, positions) and (
+            index in self.reducers or index in self.velocity
+        ):
+            raise RuntimeError(
+                f"DDP bucket {index} now holds other parameters than when the hook kept a "
+                "residual or velocity for it; they cannot be carried over"
+            )
+        self.layout[index] = positions
         whole = self.velocity.get(WHOLE)
         if whole is not None and index not in self.velocity:
             # The first rebuilt iteration: each bucket takes its parameters' velocity.
@@ -233,6 +246,13 @@ class SparseState:
         velocity = self.velocity.get(key)
         if velocity is None:
             velocity = self.velocity[key] = torch.zeros_like(buffer)  # u starts as g
+        elif velocity.numel() != buffer.numel():
+            raise RuntimeError(
+                f"DDP bucket {key} changed from {velocity.numel()} to {buffer.numel()} "
+                "entries after the hook kept a velocity for it; it cannot be carried over"
+            )
+        elif velocity.device != buffer.device or velocity.dtype != buffer.dtype:
+            velocity = self.velocity[key] = velocity.to(buffer)  # e.g. loaded on the CPU
         direction, _ = sgd_direction(BACKEND, buffer, velocity, self.momentum, 0.0, self.nesterov)
         buffer.copy_(direction)
 

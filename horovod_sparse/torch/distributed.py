@@ -41,12 +41,15 @@ class _Work:
 class FP16Values:
     """Value compression in Horovod's ``Compression`` interface: floating-point values
     travel as fp16 (half of fp32's value bytes; indices stay int32). The engine keeps
-    what the rounding loses in the residual, so no gradient mass is dropped."""
+    what the rounding loses in the residual, so no gradient mass is dropped: values
+    beyond fp16's range are clamped to it (an inf would turn the residual into NaN), and
+    the excess stays behind too."""
 
     @staticmethod
     def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None]:
         if tensor.dtype in (torch.float32, torch.float64):
-            return tensor.to(torch.float16), tensor.dtype
+            largest = torch.finfo(torch.float16).max
+            return tensor.clamp(-largest, largest).to(torch.float16), tensor.dtype
         return tensor, None
 
     @staticmethod

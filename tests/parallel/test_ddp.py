@@ -182,7 +182,7 @@ def test_parameters_identical_and_a_checkpoint_resumes_exactly(momentum):
 
     for restore in ("state_dict", "pickle"):
         saved.seek(0)
-        checkpoint = torch.load(saved, weights_only=False)
+        checkpoint = torch.load(saved, weights_only=True)  # plain tensors and containers
         resumed_state = SparseState(density=0.05, min_sparse_numel=5000, momentum=momentum)
         if restore == "state_dict":
             resumed_state.load_state_dict(checkpoint["hook"])
@@ -258,6 +258,29 @@ def test_momentum_correction_at_density_one_equals_momentum_sgd(nesterov):
     train(hooked, corrected, range(6))
     torch.testing.assert_close(
         flat_parameters(hooked), flat_parameters(default), rtol=1e-6, atol=1e-6
+    )
+
+
+def test_momentum_velocity_of_the_first_iteration_survives_a_checkpoint():
+    """Saved after DDP's first iteration, the only velocity is the whole bucket's. At
+    density 1 (momentum SGD up to rounding) the resumed run must follow the
+    uninterrupted one: a lost velocity would differ by m·u in every entry."""
+    state = SparseState(density=1.0, momentum=0.9)
+    model, optimizer = make_run(state)
+    train(model, optimizer, range(1))
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "hook": state.state_dict()}, saved)
+    train(model, optimizer, range(1, 4))
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=True)
+    resumed_state = SparseState(density=1.0, momentum=0.9)
+    resumed_state.load_state_dict(checkpoint["hook"])
+    assert set(resumed_state.velocity) == {-1}
+    resumed, resumed_optimizer = make_run(resumed_state)
+    resumed.load_state_dict(checkpoint["model"])
+    train(resumed, resumed_optimizer, range(1, 4))
+    torch.testing.assert_close(
+        flat_parameters(resumed), flat_parameters(model), rtol=1e-6, atol=1e-6
     )
 
 

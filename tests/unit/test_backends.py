@@ -171,3 +171,17 @@ def test_single_rank_pipeline_matches_reference(framework, selection, density):
         np.testing.assert_allclose(before + got, expected.residuals[0] + expected.result_sum)
     stats = reducer.last_stats()
     assert stats.selected == count and stats.bytes_sent == 0  # one rank
+
+
+def test_fp16_values_clamp_to_fp16_range_and_the_excess_stays_behind():
+    import torch
+
+    from horovod_sparse.torch.distributed import DistributedBackend, FP16Values
+
+    values = torch.tensor([1e6, -1e6, 1.0, 0.1], dtype=torch.float32)
+    wire, ctx, lost = DistributedBackend().compress(values, FP16Values)
+    assert wire.dtype == torch.float16 and torch.isfinite(wire).all()
+    back = DistributedBackend().decompress(wire, ctx)
+    assert back.dtype == torch.float32
+    torch.testing.assert_close(back + lost, values, rtol=0, atol=0)  # nothing dropped
+    assert float(lost[0]) == 1e6 - 65504.0 and float(lost[2]) == 0.0

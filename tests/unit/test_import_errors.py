@@ -78,6 +78,23 @@ def test_without_horovod_each_horovod_name_of_the_torch_package_raises_the_same_
     assert len(refused) == 9, refused
 
 
+def test_with_horovod_installed_the_ddp_hook_still_imports_none_of_it():
+    code = (
+        "import sys\n"
+        "import horovod_sparse.torch.ddp\n"
+        "import horovod_sparse.torch as hvds\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'horovod'], sys.modules\n"
+        "assert set(hvds.__all__) == {'StepStats', *hvds._HOROVOD_NAMES}\n"
+        "hvds.DistributedOptimizer  # the first use imports Horovod\n"
+        "assert 'horovod.torch' in sys.modules\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
 # One rank, Gloo over a file store: the hook averages DDP's gradients without Horovod.
 DDP_WITHOUT_HOROVOD = """
 import os, sys, tempfile
