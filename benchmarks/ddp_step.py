@@ -134,6 +134,8 @@ def worker(args: argparse.Namespace) -> None:
             Path(args.result).write_text(json.dumps(results))
         else:  # launched by torchrun directly
             print(table([dict(row, network="this launch") for row in results]))
+    # destroy_process_group is no barrier (examples/pytorch/quickstart_ddp.py says why).
+    dist.barrier()
     dist.destroy_process_group()
 
 

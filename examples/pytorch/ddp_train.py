@@ -225,6 +225,8 @@ def main() -> None:
         print(json.dumps(summary), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(summary))
+    # destroy_process_group is no barrier (examples/pytorch/quickstart_ddp.py says why).
+    dist.barrier()
     dist.destroy_process_group()
 
 
