@@ -51,10 +51,12 @@ def budget(numel: int, density: float) -> int:
 class SparseConfig:
     """Every option of the sparse allreduce, defined and validated here once.
 
-    Each adapter (the torch optimizer and ``sparse_allreduce``, the TF tape, Keras
-    optimizer and ``sparse_allreduce``) takes these as keywords next to Horovod's own
-    arguments and builds one :class:`SparseConfig` from them (:func:`make_config`), so
-    adding an option is one edit here plus the adapter code that acts on it.
+    Each adapter (the torch optimizer, DDP hook and ``sparse_allreduce``, the TF tape,
+    Keras optimizer and ``sparse_allreduce``) takes these as keywords next to Horovod's
+    own arguments and builds one :class:`SparseConfig` from them (:func:`make_config`), so
+    adding an option is one edit here, its row of
+    :data:`~horovod_sparse.common.options.OPTION_SUPPORT` (which adapters act on it; the
+    others refuse it by name), plus the adapter code that acts on it.
 
     Attributes:
         density: target fraction of entries exchanged per bucket, in (0, 1].
@@ -89,12 +91,12 @@ class SparseConfig:
             the wrapped optimizer as it is.
         overlap_allgather: ``True`` defers each bucket's all-gather and update to a
             forward pre-hook of the next iteration; ``"auto"`` lets trials of whole-step
-            time decide (PyTorch; needs the model).
+            time decide (the PyTorch optimizer; needs the model).
         scheduler: ``"fixed"`` (every large bucket sparse) or ``"auto"`` (dense or
-            sparse per bucket, from measured costs; PyTorch).
+            sparse per bucket, from measured costs; the PyTorch optimizer).
         scheduler_steps: steps between the automatic scheduler's decisions.
         trace: write a Chrome trace of the exchange to this path (``{rank}`` is
-            replaced; PyTorch).
+            replaced; the PyTorch optimizer).
         global_selection: how owners find the global top-k threshold: ``"reuse"`` (the
             threshold every rank derives alike from the last all-gather, refreshed
             exactly every ``refresh_steps`` steps and when the gathered count leaves
@@ -103,7 +105,7 @@ class SparseConfig:
         refresh_steps: steps between exact refreshes of a reused global threshold.
         log_every: print one line of the step's figures (density, bytes against dense,
             exchange seconds, refreshes) on the process set's first rank every this many
-            steps; 0 prints nothing (PyTorch).
+            steps; 0 prints nothing (the PyTorch and Keras optimizers and the TF tape).
     """
 
     density: float = 0.01

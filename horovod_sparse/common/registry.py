@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from typing import Any, Callable, Generic, NamedTuple, TypeVar
 
 from horovod_sparse.common.config import SparseConfig, make_config, reduction_scales
+from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.pipeline import BucketReducer
 
 __all__ = ["NamedReducers", "PerTensorCall", "PerTensorOptions", "per_tensor_call"]
@@ -109,15 +110,14 @@ def per_tensor_call(
     name: str | None,
     density: float,
     options: dict[str, Any],
-    supported: frozenset[str],
-    where: str,
+    frontend: Frontend,
 ) -> PerTensorOptions:
     """The checks every framework's ``sparse_allreduce`` makes before any collective,
     on its name and options; :meth:`PerTensorOptions.scaled` checks the rest.
 
     Raises:
         ValueError: no name (residuals are kept per name), or an option out of range or
-            not acted on by ``where``.
+            not acted on by ``frontend``.
         TypeError: an unknown option.
     """
     if name is None:
@@ -126,5 +126,5 @@ def per_tensor_call(
             "tensor must be passed under the same name every step"
         )
     config = make_config(dict(options, density=density))
-    config.unsupported(where, supported)
+    refuse_unsupported(config, frontend)
     return PerTensorOptions(name, config)

@@ -11,13 +11,13 @@ from typing import Any
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from horovod_sparse.common.config import PER_TENSOR_OPTIONS, SparseConfig
+from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.common.options import Frontend
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.registry import NamedReducers, per_tensor_call
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.tensorflow.reducer import (
     BACKEND,
-    TF_OPTIONS,
     BucketState,
     make_counts_variable,
     op_name,
@@ -71,8 +71,8 @@ def sparse_allreduce(
     Keeps the unselected mass in the ``tf.Variable`` residual stored under ``name``.
     ``options``: ``selection``, ``partition``, ``reestimate_steps``,
     ``repartition_steps``, ``warmup_steps``, ``density_decay_steps`` (k follows the
-    step count, inside one trace too), ``error_feedback`` (see
-    :class:`~horovod_sparse.common.config.SparseConfig`).
+    step count, inside one trace too), ``error_feedback``, ``global_selection``,
+    ``refresh_steps`` (see :class:`~horovod_sparse.common.config.SparseConfig`).
 
     Example:
         >>> out = sparse_allreduce(grad, density=0.01, name="w")
@@ -80,8 +80,7 @@ def sparse_allreduce(
     """
     # Horovod's keywords, in the order of horovod.tensorflow.allreduce.
     scales = (prescale_factor, postscale_factor)
-    where = "sparse_allreduce under TensorFlow"
-    call = per_tensor_call(name, density, options, PER_TENSOR_OPTIONS & TF_OPTIONS, where)
+    call = per_tensor_call(name, density, options, Frontend.TF_ALLREDUCE)
     name, config, prescale, postscale = call.scaled(op_name(op), process_set, *scales)
     if isinstance(tensor, tf.IndexedSlices):
         raise TypeError(

@@ -31,7 +31,6 @@ from horovod_sparse.tensorflow.backend import TFBackend
 
 __all__ = [
     "BACKEND",
-    "TF_OPTIONS",
     "AdamSettings",
     "BucketState",
     "GradientReducer",
@@ -41,28 +40,6 @@ __all__ = [
 ]
 
 BACKEND = TFBackend()
-
-
-# What the TF adapters act on; the other options are refused by name (see the README).
-TF_OPTIONS = frozenset(
-    (
-        "density",
-        "min_sparse_numel",
-        "selection",
-        "partition",
-        "fusion_threshold_bytes",
-        "reestimate_steps",
-        "repartition_steps",
-        "warmup_steps",
-        "density_decay_steps",
-        "dense_fusion_bytes",
-        "error_feedback",
-        "momentum_correction",
-        "global_selection",
-        "refresh_steps",
-        "log_every",
-    )
-)
 
 
 def op_name(op: Any) -> str:

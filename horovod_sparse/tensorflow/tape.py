@@ -8,8 +8,9 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from horovod_sparse.common.config import SparseConfig, make_config
+from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.stats import StepStats
-from horovod_sparse.tensorflow.reducer import TF_OPTIONS, GradientReducer
+from horovod_sparse.tensorflow.reducer import GradientReducer
 from horovod_sparse.tensorflow.validation import check_variables, describe, validate_across_ranks
 
 __all__ = ["DistributedGradientTape"]
@@ -24,10 +25,11 @@ class DistributedGradientTape(tf.GradientTape):
     Accepts every argument of ``hvd.DistributedGradientTape`` with the same meaning
     (``device_dense``/``device_sparse`` are accepted for compatibility; placement follows
     the gradients), plus the sparse options of
-    :class:`~horovod_sparse.common.config.SparseConfig` that TF acts on (``density``,
+    :class:`~horovod_sparse.common.config.SparseConfig` that the tape acts on (``density``,
     ``min_sparse_numel``, ``selection``, ``partition``, ``fusion_threshold_bytes``,
     ``reestimate_steps``, ``repartition_steps``, ``warmup_steps``,
-    ``density_decay_steps``, ``dense_fusion_bytes``, ``error_feedback``). Residuals are
+    ``density_decay_steps``, ``dense_fusion_bytes``, ``error_feedback``,
+    ``global_selection``, ``refresh_steps``, ``log_every``). Residuals are
     ``tf.Variable``s that persist across tapes, keyed by ``name`` and the list of
     sources; :meth:`residual_variables` returns them for a checkpoint.
 
@@ -71,9 +73,7 @@ class DistributedGradientTape(tf.GradientTape):
         self._config: SparseConfig | None = None
         try:
             self._config = make_config(options)
-            self._config.unsupported(
-                "DistributedGradientTape", TF_OPTIONS - {"momentum_correction"}
-            )
+            refuse_unsupported(self._config, Frontend.TF_TAPE)
         except (TypeError, ValueError) as error:
             self._problem = error
         self._options = dict(

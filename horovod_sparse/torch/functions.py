@@ -13,8 +13,8 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from horovod_sparse.common.config import PER_TENSOR_OPTIONS
 from horovod_sparse.common.handle import BucketHandle
+from horovod_sparse.common.options import Frontend
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.registry import NamedReducers, per_tensor_call
 from horovod_sparse.common.stats import StepStats
@@ -108,13 +108,14 @@ def sparse_allreduce_async(
     Keeps the unselected mass in a residual stored under ``name``. ``options``: the
     per-tensor options of :class:`~horovod_sparse.common.config.SparseConfig`
     (``selection``, ``partition``, ``reestimate_steps``, ``repartition_steps``,
-    ``warmup_steps``, ``density_decay_steps``, ``error_feedback``).
+    ``warmup_steps``, ``density_decay_steps``, ``error_feedback``, ``global_selection``,
+    ``refresh_steps``).
 
     Example:
         >>> handle = sparse_allreduce_async(grad, density=0.01, name="w")
         >>> reduced = synchronize(handle)
     """
-    call = per_tensor_call(name, density, options, PER_TENSOR_OPTIONS, "sparse_allreduce")
+    call = per_tensor_call(name, density, options, Frontend.TORCH_ALLREDUCE)
     name, config, prescale, postscale = call.scaled(
         op_name(op), process_set, prescale_factor, postscale_factor
     )

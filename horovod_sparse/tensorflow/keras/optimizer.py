@@ -36,8 +36,9 @@ import tensorflow as tf
 from horovod_sparse.common.classes import combined_class
 from horovod_sparse.common.config import SparseConfig, make_config, optimizer_scales, take_options
 from horovod_sparse.common.correction import correction_family
+from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.stats import StepStats
-from horovod_sparse.tensorflow.reducer import TF_OPTIONS, AdamSettings, GradientReducer, op_name
+from horovod_sparse.tensorflow.reducer import AdamSettings, GradientReducer, op_name
 from horovod_sparse.tensorflow.validation import check_variables, describe, validate_across_ranks
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
@@ -91,7 +92,7 @@ class SparseOptimizerMixin(_OptimizerBase):
             if backward_passes_per_step > 1:
                 kwargs["gradient_accumulation_steps"] = int(backward_passes_per_step)
             config = make_config(options)
-            config.unsupported("the Keras optimizer", TF_OPTIONS)
+            refuse_unsupported(config, Frontend.KERAS_OPTIMIZER)
         except (TypeError, ValueError) as error:
             problem = error
         super().__init__(*args, **kwargs)  # Keras wants it before any attribute is set
@@ -310,7 +311,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     built from ``optimizer.get_config()``, so slot variables start fresh.
 
     Sparse options: those of :class:`~horovod_sparse.common.config.SparseConfig` that
-    TF acts on: ``density`` (fraction of entries exchanged per bucket),
+    the Keras optimizer acts on: ``density`` (fraction of entries exchanged per bucket),
     ``min_sparse_numel`` (smaller variables go through a dense allreduce),
     ``selection``, ``partition``, ``fusion_threshold_bytes`` (bucket capacity; ``None``
     follows ``HOROVOD_FUSION_THRESHOLD``), ``reestimate_steps``, ``repartition_steps``,
@@ -318,7 +319,9 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     one trace), ``dense_fusion_bytes`` (on a step where adjacent sparse buckets are all
     dense, they share one allreduce of up to that many bytes; 0: one each),
     ``error_feedback`` (``False`` zeroes the residual at the end of every step: ablation
-    only, it loses gradient mass) and ``momentum_correction`` (default ``None``: on for
+    only, it loses gradient mass), ``global_selection`` and ``refresh_steps`` (how owners
+    find the global threshold), ``log_every`` (a line of the step's figures on rank 0) and
+    ``momentum_correction`` (default ``None``: on for
     ``keras.optimizers.SGD`` with momentum when ``density < 1``), which runs the
     momentum on each rank's gradient before the exchange and steps the SGD with its
     momentum off; the velocity is saved with the optimizer's variables. Its velocity
