@@ -96,6 +96,14 @@ class HostCounts:
         ``budget(numel, config.density_at(step))``."""
         return budget(numel, config.density_at(step))
 
+    def all_of(self, flags: Sequence[Any]) -> Any:
+        """Whether every decision holds (a graph bool where one of them is)."""
+        return all(flags)
+
+    def any_of(self, flags: Sequence[Any]) -> Any:
+        """Whether some decision holds (a graph bool where one of them is)."""
+        return any(flags)
+
     def scaled_count(
         self,
         count: Any,
@@ -187,6 +195,14 @@ class Backend(Protocol):
     def scheduled_budget(self, numel: int, config: SparseConfig, step: Any) -> Any:
         """k by the density schedule at ``step``, warm-up included: a host int, or an
         int64 scalar where the step count is a graph value and the schedule reads it."""
+
+    def all_of(self, flags: Sequence[Any]) -> Any:
+        """Whether every decision holds (a graph bool where one of them is)."""
+        ...
+
+    def any_of(self, flags: Sequence[Any]) -> Any:
+        """Whether some decision holds (a graph bool where one of them is)."""
+        ...
 
     def scaled_count(
         self,

@@ -18,7 +18,7 @@ Sends: one ring allreduce of the run's values (the same bytes as the separate
 allreduces). Keeps: nothing. A bucket whose residual still owes mass (the switch to
 dense, or a residual restored on one rank only) moves it into its slice before the
 launch, so the runs, planned from
-:attr:`~horovod_sparse.common.pipeline.BucketReducer.dense_step`, are the same on every
+:attr:`~horovod_sparse.common.sparse_bucket.SparseBucket.dense_step`, are the same on every
 rank and no mass stays behind.
 """
 
@@ -86,20 +86,19 @@ def plan_dense_runs(
 
 @dataclass
 class SharedAllreduce:
-    """One in-place allreduce over a run's slice; waited on once, by whichever member
+    """One allreduce over a run's contributions; waited on once, by whichever member
     finishes first. The wait's seconds are shared among the members by size, so each
     bucket's measured exchange time stays comparable with an allreduce of its own."""
 
     handle: Any
     numel: int
     waited_s: float | None = None
+    summed: Any = None
 
     def wait(self, ops: Backend) -> float:
         if self.waited_s is None:
             began = ops.clock()
-            # In place (``prepare_fused`` asserts an in-place backend): the members'
-            # buffers, views of the reduced slice, hold the sum once it is waited for.
-            ops.wait(self.handle)
+            self.summed = ops.wait(self.handle)
             self.waited_s = ops.clock() - began
         return self.waited_s
 
@@ -108,17 +107,22 @@ class SharedAllreduce:
 class FusedPart:
     """One member's share of a :class:`SharedAllreduce`: the handle its dense step holds.
 
-    ``buffer`` is the member's own view of the arena; after :meth:`wait` it holds the
-    member's part of the sum (the allreduce ran in place)."""
+    ``buffer`` is the member's contribution: with an in-place backend its own view of
+    the arena, which holds its part of the sum once the allreduce is waited for; else
+    the member's part is the run's sum from ``offset``."""
 
     shared: SharedAllreduce
     buffer: Tensor
     numel: int
+    offset: int = 0
 
     def wait(self, ops: Backend) -> tuple[Tensor, float]:
-        """The reduced buffer and this member's share of the wait, in seconds."""
+        """The member's part of the sum and its share of the wait, in seconds."""
         seconds = self.shared.wait(ops)
-        return self.buffer, seconds * self.numel / self.shared.numel
+        share = seconds * self.numel / self.shared.numel
+        if ops.in_place:
+            return self.buffer, share
+        return self.shared.summed[self.offset : self.offset + self.numel], share
 
     @property
     def pending(self) -> Any:
@@ -164,8 +168,28 @@ class DenseFusion:
 
     @staticmethod
     def launch(
-        ops: Backend, buffer: Tensor, numel: int, name: str, process_set: Any
-    ) -> SharedAllreduce:
-        """Start the in-place allreduce of the run's slice ``buffer`` (each member's part
-        already prescaled, see ``BucketReducer.prepare_fused``)."""
-        return SharedAllreduce(ops.allreduce_sum_inplace_async(buffer, name, process_set), numel)
+        ops: Backend,
+        contributions: Sequence[Tensor],
+        arena_slice: Tensor | None,
+        name: str,
+        process_set: Any,
+    ) -> list[FusedPart]:
+        """Start the run's allreduce and hand each member its part.
+
+        ``contributions``: each member's prescaled contribution
+        (``BucketReducer.contribute_fused``). An in-place backend wrote them into the
+        run's ``arena_slice``, which is reduced in place with no copy; another backend's
+        contributions are concatenated (one copy) and reduced.
+        """
+        sizes = [ops.length(part) for part in contributions]
+        if ops.in_place:
+            assert arena_slice is not None, "an in-place run reduces its arena slice"
+            handle = ops.allreduce_sum_inplace_async(arena_slice, name, process_set)
+        else:
+            handle = ops.allreduce_sum_async(ops.concat(contributions), name, process_set)
+        shared = SharedAllreduce(handle, sum(sizes))
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [
+            FusedPart(shared, part, numel, offset)
+            for part, numel, offset in zip(contributions, sizes, offsets)
+        ]

@@ -14,19 +14,13 @@ Sends nothing itself beyond what ``reduce_and_gather`` sends when it advances.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from horovod_sparse.common.backend import Backend, Tensor
 from horovod_sparse.common.fusion import FusedPart
-from horovod_sparse.common.pipeline import (
-    BucketReducer,
-    GatherInFlight,
-    OwnedSums,
-    ScatterInFlight,
-)
-
-if TYPE_CHECKING:
-    from horovod_sparse.common.engine import Reducer
+from horovod_sparse.common.inflight import GatherInFlight, OwnedSums, ScatterInFlight
+from horovod_sparse.common.pipeline import BucketReducer
+from horovod_sparse.common.plan import Reducer
 
 __all__ = ["BucketHandle"]
 
@@ -72,12 +66,11 @@ class BucketHandle:
         """Whether the collective in flight has finished; never blocks."""
         return self.ops.poll(self.collective)
 
-    def advance(self, received: tuple[OwnedSums, Tensor] | None = None) -> None:
+    def advance(self, received: tuple[OwnedSums, Tensor | None] | None = None) -> None:
         """Finish the reduce-scatter and launch the all-gather (a no-op once done).
 
-        ``received``: the owner's sums and the exact threshold key, when the engine
-        received the reduce-scatter and ran this bucket's radix select together with
-        other buckets' (``Engine.launch_gathers``).
+        ``received``: the owner's sums and, when its radix select ran together with
+        other buckets' (``plan.refresh_together``), the exact threshold key.
         """
         if isinstance(self.stage, ScatterInFlight):
             if received is None:

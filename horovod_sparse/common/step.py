@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from horovod_sparse.common.backend import Backend
+from horovod_sparse.common.stats import allreduce_ring_bytes
 
 __all__ = ["StepKind", "StepRecord"]
 
 
 class StepKind(enum.Enum):
     """Which exchange a bucket's step takes (docs/design.md §3), chosen in one place:
-    :meth:`BucketReducer.step_kind`."""
+    :func:`horovod_sparse.common.plan.kind_of`."""
 
     SPARSE = "sparse"  # selection, reduce-scatter, global selection, all-gather
     DENSE_FROM_RESIDUAL = "dense from the residual"  # allreduce of residual + gradients
@@ -68,6 +69,23 @@ class StepRecord:
         "extra_bytes",
         "refreshed",
     )
+
+    @classmethod
+    def dense_allreduce(
+        cls, numel: int, world_size: int, wire_itemsize: int, seconds: Any = 0.0
+    ) -> StepRecord:
+        """The record of a dense step: one ring allreduce of the bucket's n values (its
+        bytes counted one way in ``extra_bytes``), every entry in the result."""
+        return cls(
+            dense=1,
+            gathered_rows=numel,
+            own_rows=numel,
+            next_rows=numel,
+            extra_bytes=allreduce_ring_bytes(numel, world_size, wire_itemsize)[0],
+            seconds_exchange=seconds,
+            send_splits=[0] * world_size,
+            recv_splits=[0] * world_size,
+        )
 
     def numbers(self) -> list[Any]:
         """The :attr:`NUMBERS` figures, in order."""

@@ -105,6 +105,16 @@ class TFBackend(HorovodPrimitives):
             return then() if pred else otherwise()
         return tf.cond(pred, then, otherwise)
 
+    def all_of(self, flags: Sequence[Any]) -> Any:
+        if all(isinstance(flag, (bool, np.bool_)) for flag in flags):
+            return all(flags)
+        return tf.reduce_all(tf.stack([tf.convert_to_tensor(flag) for flag in flags]))
+
+    def any_of(self, flags: Sequence[Any]) -> Any:
+        if all(isinstance(flag, (bool, np.bool_)) for flag in flags):
+            return any(flags)
+        return tf.reduce_any(tf.stack([tf.convert_to_tensor(flag) for flag in flags]))
+
     def on_host(self, function: Callable[[list[int]], list[int]], counts: tf.Tensor) -> Any:
         def call(host_counts: np.ndarray) -> np.ndarray:
             return np.asarray(function(host_counts.tolist()), np.int64)

@@ -593,7 +593,7 @@ class GradientReducer:
         done = []
         for i, residual, numel, piece in zip(run, residuals, sizes, tf.split(summed, sizes)):
             reducer = self._sparse_reducer(i)
-            reducer.step = reducer.step + 1  # every kind of step advances the schedule
+            reducer.advance(True)  # every kind of step advances the schedule
             if self.postscale != 1.0:
                 piece = BACKEND.scale(piece, self.postscale)
             record = StepRecord(

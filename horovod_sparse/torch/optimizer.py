@@ -28,6 +28,7 @@ from horovod_sparse.common.buckets import Bucket
 from horovod_sparse.common.classes import combined_class
 from horovod_sparse.common.config import SparseConfig, make_config, optimizer_scales, take_options
 from horovod_sparse.common.engine import Engine
+from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.validation import raise_on_any_rank, verdict_of
 from horovod_sparse.torch.assembly import attach_correction, build_engine, make_reducer
 from horovod_sparse.torch.checkpoint import OptimizerCheckpoint
@@ -168,6 +169,7 @@ class SparseOptimizerMixin(OptimizerCheckpoint, OptimizerReports):
         config = SparseConfig()
         try:
             config = make_config(options)
+            refuse_unsupported(config, Frontend.TORCH_OPTIMIZER)
             self.backward_passes_per_step = int(self.backward_passes_per_step)
             self.gradient_predivide_factor = float(self.gradient_predivide_factor)
             if self.backward_passes_per_step < 1:
@@ -248,6 +250,7 @@ class SparseOptimizerMixin(OptimizerCheckpoint, OptimizerReports):
             self.engine.reschedule(self.engine.buffers[0], None if began is None else now - began)
         if self.engine.trace is not None:
             self.engine.trace.backward_step(now)
+        self.engine.open_step()
 
     def _begin_step(self) -> None:
         self.engine.begin_step()
@@ -286,6 +289,7 @@ class SparseOptimizerMixin(OptimizerCheckpoint, OptimizerReports):
         """Finish every reduce-scatter and launch every all-gather (waits for none)."""
         if not self._routing.step_open:
             self._follow_world_size()
+            self.engine.open_step()
         self._routing.submit_unused()
         # With the all-gathers deferred to the next forward, launch them in forward order.
         return self.engine.launch_gathers(forward_order=self._deferred is not None)

@@ -28,18 +28,17 @@ def make_engine(config: SparseConfig, fused: bool = False):
 
 def run_step(engine, ops, to, rng):
     """One step as an adapter runs it: plan, fill, launch, finish, record."""
-    kinds = engine.plan_step()
-    results = []
-    for reducer, kind in zip(engine.reducers, kinds):
+    kinds = engine.open_step().kinds
+    for index, reducer in enumerate(engine.reducers):
         grad = to(rng.standard_normal(reducer.numel).astype(np.float32))
         buffer = ops.copy(grad)
-        if not reducer.gradients_in_buffer(kind):
-            reducer.accumulate(grad, 0)
-        stage = reducer.launch(kind, buffer)
-        assert stage is not None or kind is StepKind.DENSE_FUSED
-        if stage is not None:
-            results.append(reducer.finish(reducer.reduce_and_gather(stage), buffer))
+        if not engine.gradients_in_buffer(index):
+            engine.accumulate(index, grad, 0)
+        engine.launch(index, buffer)
+        assert (engine.handles[index] is not None) == (kinds[index] is not StepKind.DENSE_FUSED)
+    results = [engine.finish(i, h) for i, h in engine.launch_gathers()]
     engine.record_step()
+    engine.begin_step()
     return kinds, results
 
 
@@ -68,13 +67,13 @@ def test_forced_dense_with_mass_owed_is_dense_from_the_residual():
     rng = np.random.default_rng(1)
     run_step(engine, ops, to, rng)  # sparse: the residuals now owe mass
     engine.sparse[1].force_dense = True
-    kinds = engine.plan_step()
+    kinds = engine.open_step().kinds
     assert kinds == [StepKind.SPARSE, StepKind.DENSE_FROM_RESIDUAL, StepKind.DENSE_IN_BUFFER]
 
 
 def test_fusion_plans_runs_of_adjacent_dense_buckets():
     engine, *_ = make_engine(SparseConfig(density=0.01, warmup_steps=1), fused=True)
-    kinds = engine.plan_step()
+    kinds = engine.open_step().kinds
     assert kinds[:2] == [StepKind.DENSE_FUSED, StepKind.DENSE_FUSED]
     assert engine.fusion_runs == [[0, 1]]
 
@@ -124,6 +123,7 @@ def test_engine_runs_a_step_launching_each_bucket_at_its_last_tensor():
     )
     rng = np.random.default_rng(3)
     for step in range(2):
+        engine.open_step()
         grads = [rng.standard_normal(n).astype(np.float32) for n in (1500, 1500, 2000, 100)]
         places = [(0, 0), (0, 1500), (1, 0), (2, 0)]
         # s0 waits for its second tensor; at the fused warm-up step it also waits for

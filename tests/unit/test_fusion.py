@@ -62,6 +62,8 @@ def test_a_run_completes_once_all_of_its_members_are_in(order):
 class FakeOps:
     """Clock and wait of a backend, counting waits."""
 
+    in_place = True  # the members' buffers hold their parts of the sum
+
     def __init__(self):
         self.now = 0.0
         self.waits = 0
