@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 RUN    := PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 DEMO_OUT := results/demo
 
-.PHONY: bootstrap test lint unit parallel demo bench convergence cluster-bench
+.PHONY: bootstrap test lint unit parallel docs demo bench convergence cluster-bench
 
 bootstrap:
 	bash ci/bootstrap
@@ -22,6 +22,10 @@ parallel: bootstrap
 	$(RUN) $(PY) -m tests.run_parallel
 
 test: lint unit parallel
+
+# Relative links and images of README.md and docs/*.md resolve; the README stays short.
+docs: bootstrap
+	$(RUN) $(PY) -m pytest -q -p no:cacheprovider tests/unit/test_docs.py
 
 demo: bootstrap
 	mkdir -p $(DEMO_OUT)

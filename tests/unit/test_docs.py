@@ -87,7 +87,8 @@ def broken_links(page):
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda path: str(path.relative_to(ROOT)))
 def test_relative_links_resolve(page):
-    assert broken_links(page) == []
+    broken = broken_links(page)
+    assert not broken, "broken links in " + page.name + ":\n" + "\n".join(broken)
 
 
 def test_readme_is_a_front_page():
