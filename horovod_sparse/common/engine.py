@@ -375,10 +375,15 @@ class _AllAtOnce:
     def alone(self, index: int) -> Tensor:
         """A bucket whose kind is a graph value: one cond on its dense flag."""
 
+        reducer = _as_sparse(self.engine.reducers[index])
+        before = reducer.tensors()
+
         def dense() -> Tensor:
+            reducer.rewind(before)
             return self.run([index], [StepKind.DENSE_FROM_RESIDUAL])[0]
 
         def sparse() -> Tensor:
+            reducer.rewind(before)
             return self.run([index], [StepKind.SPARSE])[0]
 
         plan = self.engine.plan
@@ -387,11 +392,27 @@ class _AllAtOnce:
 
     def together(self, members: list[int]) -> Callable[[], list[Tensor]]:
         """A fused run's branch: one allreduce for the run."""
-        return lambda: self.run(members, [StepKind.DENSE_FUSED] * len(members))
+        reducers = [_as_sparse(self.engine.reducers[index]) for index in members]
+        before = [reducer.tensors() for reducer in reducers]
+
+        def fused() -> list[Tensor]:
+            for reducer, tensors in zip(reducers, before):
+                reducer.rewind(tensors)
+            return self.run(members, [StepKind.DENSE_FUSED] * len(members))
+
+        return fused
 
     def apart(self, members: list[int]) -> Callable[[], list[Tensor]]:
         """A fused run's other branch: each member's own step."""
-        return lambda: [self.alone(index) for index in members]
+        reducers = [_as_sparse(self.engine.reducers[index]) for index in members]
+        before = [reducer.tensors() for reducer in reducers]
+
+        def each() -> list[Tensor]:
+            for reducer, tensors in zip(reducers, before):
+                reducer.rewind(tensors)  # not from the fused branch's trace
+            return [self.alone(index) for index in members]
+
+        return each
 
 
 def _as_sparse(reducer: Reducer) -> BucketReducer:

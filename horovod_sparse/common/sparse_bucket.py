@@ -106,6 +106,23 @@ class SparseBucket:
         self._residual = value
         self.residual_clear = False
 
+    def hand_in(self, residual: Tensor, velocity: Tensor | None) -> None:
+        """Take the residual and velocity an adapter keeps between steps (TensorFlow
+        reads them from its variables at every step: a traced step cannot hold tensors
+        from one call to the next)."""
+        self.residual = residual
+        self.velocity = velocity
+
+    def tensors(self) -> tuple[Tensor, Tensor | None, bool]:
+        """The residual, the velocity and whether the residual is clear: what a branch
+        of a traced step changes (see :meth:`rewind`)."""
+        return self._residual, self.velocity, self.residual_clear
+
+    def rewind(self, tensors: tuple[Tensor, Tensor | None, bool]) -> None:
+        """Start again from :meth:`tensors`: each branch of a ``tf.cond`` on the step's
+        kind begins from the state before the cond, not from the other branch's."""
+        self._residual, self.velocity, self.residual_clear = tensors
+
     def state_cells(self) -> dict[str, Any]:
         """The step count and boundaries' cells (variables under TensorFlow), by name,
         for a framework checkpoint that tracks variables."""

@@ -20,7 +20,7 @@ import tensorflow as tf
 from horovod_sparse.common.backend import HorovodPrimitives
 from horovod_sparse.common.config import SparseConfig, budget
 
-__all__ = ["TFBackend", "VariableCell", "scheduled_budget"]
+__all__ = ["BACKEND", "TFBackend", "VariableCell", "scheduled_budget"]
 
 _HISTOGRAM_BINS = 256
 # tf.math.round rounds half to even, as Python's round does on the host.
@@ -410,3 +410,6 @@ class TFBackend(HorovodPrimitives):
 
     def wait(self, handle: Any) -> Any:
         return handle
+
+
+BACKEND = TFBackend()  # stateless: one instance serves every bucket

@@ -16,40 +16,46 @@ from horovod_sparse.common.options import Frontend
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.registry import NamedReducers, per_tensor_call
 from horovod_sparse.common.stats import StepStats
-from horovod_sparse.tensorflow.reducer import (
-    BACKEND,
+from horovod_sparse.tensorflow.backend import BACKEND
+from horovod_sparse.tensorflow.buckets import (
+    BucketSet,
     BucketState,
     make_counts_variable,
-    op_name,
-    run_bucket,
     zeros_variable,
 )
+from horovod_sparse.tensorflow.correction import Corrected
+from horovod_sparse.tensorflow.reducer import op_name
 
 __all__ = ["reset_residuals", "residual_variables", "sparse_allreduce", "stats"]
 
 
-def _reducer_of(state: BucketState) -> BucketReducer:
-    assert isinstance(state.reducer, BucketReducer)  # one tensor: always a sparse reducer
-    return state.reducer
+def _reducer_of(buckets: BucketSet) -> BucketReducer:
+    reducer = buckets.states[0].reducer
+    assert isinstance(reducer, BucketReducer)  # one tensor: always a sparse reducer
+    return reducer
 
 
-_STATES: NamedReducers[BucketState] = NamedReducers(_reducer_of)
+_STATES: NamedReducers[BucketSet] = NamedReducers(_reducer_of)
 
 
 def _state_for(
     name: str, numel: int, dtype: tf.DType, config: SparseConfig, process_set: Any, compression: Any
-) -> BucketState:
-    def create(previous: BucketState | None) -> BucketState:
+) -> BucketSet:
+    def create(previous: BucketSet | None) -> BucketSet:
         like = tf.zeros([0], dtype)
         reducer = BucketReducer(
             BACKEND, f"hvds.tf.{name}", numel, like, config, process_set, compression
         )
-        residual = previous.residual if previous else zeros_variable("residual", numel, dtype, name)
-        return BucketState(reducer, residual, make_counts_variable())
+        residual = (
+            previous.states[0].residual
+            if previous
+            else zeros_variable("residual", numel, dtype, name)
+        )
+        return BucketSet([name], [BucketState(reducer, residual, make_counts_variable())], None)
 
-    state = _STATES.obtain(name, process_set, numel, config, create)
-    state.reducer.compression = compression
-    return state
+    buckets = _STATES.obtain(name, process_set, numel, config, create)
+    _reducer_of(buckets).compression = compression
+    return buckets
 
 
 def sparse_allreduce(
@@ -94,8 +100,9 @@ def sparse_allreduce(
     if tensor.shape.num_elements() is None:
         raise ValueError(f"sparse_allreduce({name!r}) needs a statically known tensor size")
     numel = int(tensor.shape.num_elements())
-    state = _state_for(name, numel, tensor.dtype, config, process_set, compression)
-    result = run_bucket(state, tf.reshape(tensor, [-1]), prescale, postscale)
+    buckets = _state_for(name, numel, tensor.dtype, config, process_set, compression)
+    buckets.engine.prescale, buckets.engine.postscale = prescale, postscale
+    (result,) = buckets.exchange([Corrected(tf.reshape(tensor, [-1]), None, [])])
     return tf.reshape(result, tf.shape(tensor))
 
 
@@ -106,7 +113,7 @@ def stats(name: str, process_set: Any = hvd.global_process_set) -> StepStats:
 
 def residual_variables(process_set: Any = hvd.global_process_set) -> dict[str, tf.Variable]:
     """Residual variable per name, e.g. ``tf.train.Checkpoint(**residual_variables())``."""
-    return {name: state.residual for name, state in _STATES.items(process_set)}
+    return {name: buckets.states[0].residual for name, buckets in _STATES.items(process_set)}
 
 
 def reset_residuals() -> None:
