@@ -151,13 +151,14 @@ class Engine(EngineState):
         buffer: Tensor,
         kind: StepKind | None = None,
         result_in_buffer: bool = True,
-    ) -> None:
+    ) -> BucketHandle | None:
         """Start bucket ``index``'s step of ``kind`` (the plan's when None): a fused
         bucket's allreduce is its run's, launched with the run's last bucket.
 
         ``buffer``: the bucket buffer (gradients in it or in the residual, as planned),
         or for a step run all at once the residual (or, for a dense bucket, the
-        gradients); the result is written into it if ``result_in_buffer``."""
+        gradients); the result is written into it if ``result_in_buffer``. Returns
+        the bucket's handle (None for a fused bucket whose run is not complete)."""
         kind = kind if kind is not None else self._planned().kinds[index]
         assert kind is not None, "a graph-valued kind runs under reduce_all's cond"
         reducer = self.reducers[index]
@@ -168,7 +169,7 @@ class Engine(EngineState):
             run = next(run for run in self._planned().fused_runs if index in run)
             if all(member in self._fused_parts for member in run):
                 self._launch_run(run)
-            return
+            return self.handles[index]
         if isinstance(reducer, BucketReducer):
             stage = reducer.launch(kind, buffer, self.prescale)
         else:
@@ -180,6 +181,7 @@ class Engine(EngineState):
             label = "reduce-scatter" if handle.scattering else "allreduce"
             name = self.names[index]
             self.trace.launched(name, name, label, time.perf_counter())
+        return handle
 
     def _launch_run(self, run: list[int]) -> None:
         """One allreduce over a run of dense buckets (in place over the arena slice)."""

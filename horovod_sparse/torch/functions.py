@@ -13,15 +13,19 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
+from horovod_sparse.common.engine import BucketView, Engine
 from horovod_sparse.common.handle import BucketHandle
 from horovod_sparse.common.options import Frontend
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.registry import NamedReducers, per_tensor_call
 from horovod_sparse.common.stats import StepStats
+from horovod_sparse.common.step import StepRecord
 from horovod_sparse.torch.backend import TorchBackend
 
 __all__ = [
     "SparseHandle",
+    "bucket_view",
+    "last_record",
     "reset_residuals",
     "residual",
     "sparse_allreduce",
@@ -31,7 +35,8 @@ __all__ = [
 ]
 
 BACKEND = TorchBackend()
-_REDUCERS: NamedReducers[BucketReducer] = NamedReducers(lambda reducer: reducer)
+# One engine of one bucket per (name, process set): each call is a step of its plan.
+_ENGINES: NamedReducers[Engine] = NamedReducers(lambda engine: engine.sparse[0])
 _LAST_NAME: list[str] = []
 # The last CPU result of each reducer, flat. A later call writes its result there when
 # the caller has dropped every view of it: a fresh 64 MB result costs 25 ms of page
@@ -122,20 +127,26 @@ def sparse_allreduce_async(
     _check_tensor(tensor, name)
     flat = tensor.detach().reshape(-1)
 
-    def create(previous: BucketReducer | None) -> BucketReducer:
+    def create(previous: Engine | None) -> Engine:
         fresh = BucketReducer(
             BACKEND, f"hvds.{name}", flat.numel(), flat, config, process_set, compression
         )
         if previous is not None:
-            fresh.residual = previous.residual
-        return fresh
+            fresh.take_residual(previous.sparse[0])
+        return Engine(BACKEND, [name], [fresh])
 
-    reducer = _REDUCERS.obtain(name, process_set, flat.numel(), config, create)
+    engine = _ENGINES.obtain(name, process_set, flat.numel(), config, create)
+    reducer = engine.sparse[0]
     reducer.compression = compression
-    stage = reducer.start(flat, prescale)
+    engine.prescale, engine.postscale = prescale, postscale
+    engine.begin_step()
+    engine.open_step(gradients_in_residual=True)
+    engine.accumulate(0, flat, 0)
+    handle = engine.launch(0, reducer.residual, result_in_buffer=False)
+    assert handle is not None, "one bucket: never a fused run"
     _LAST_NAME[:] = [name]
     out = _dropped_result(reducer, flat)
-    return SparseHandle(reducer, stage, flat, postscale, out=out, shape=tensor.shape)
+    return SparseHandle(reducer, handle.stage, flat, postscale, out=out, shape=tensor.shape)
 
 
 def synchronize(handle: SparseHandle) -> torch.Tensor:
@@ -179,20 +190,35 @@ def sparse_allreduce(
     )
 
 
-def stats(name: str | None = None, process_set: Any = hvd.global_process_set) -> StepStats:
-    """Statistics of the last completed :func:`sparse_allreduce` (of ``name`` if given)."""
+def _engine(name: str | None, process_set: Any) -> Engine:
     if name is None and not _LAST_NAME:
         raise KeyError("no sparse_allreduce has completed yet")
-    return _REDUCERS.find(name if name is not None else _LAST_NAME[0], process_set).last_stats()
+    return _ENGINES.find(name if name is not None else _LAST_NAME[0], process_set)
+
+
+def stats(name: str | None = None, process_set: Any = hvd.global_process_set) -> StepStats:
+    """Statistics of the last completed :func:`sparse_allreduce` (of ``name`` if given)."""
+    return _engine(name, process_set).sparse[0].last_stats()
+
+
+def last_record(name: str | None = None, process_set: Any = hvd.global_process_set) -> StepRecord:
+    """What the last :func:`sparse_allreduce` under ``name`` did, with host numbers: rows
+    sent and received per rank (``send_splits``, ``recv_splits``), rows kept, seconds."""
+    return _engine(name, process_set).sparse[0].last_record.on_host(BACKEND)
+
+
+def bucket_view(name: str | None = None, process_set: Any = hvd.global_process_set) -> BucketView:
+    """A read-only snapshot of the state kept under ``name``: step count, boundaries."""
+    return _engine(name, process_set).views()[0]
 
 
 def residual(name: str, process_set: Any = hvd.global_process_set) -> torch.Tensor:
     """This rank's current residual for ``name`` (flat)."""
-    return _REDUCERS.find(name, process_set).residual
+    return _engine(name, process_set).sparse[0].residual
 
 
 def reset_residuals() -> None:
     """Forget every residual kept by the functional API."""
-    _REDUCERS.clear()
+    _ENGINES.clear()
     _LAST_NAME.clear()
     _LAST_RESULTS.clear()
