@@ -27,6 +27,19 @@ Each configuration runs ``--warmup`` steps (PowerSGD's dense warm-up and the hoo
 dense iteration among them), then ``--steps`` timed steps; the median step is reported
 with the bytes one rank sends and receives per step (the hook: ``stats()``; allreduce
 and PowerSGD: their ring allreduces).
+
+``--overlap`` times the sparse hook (``--density``, momentum 0.9) as it is, each bucket's
+exchange overlapping the backward of the buckets after it, against the same hook made to
+wait on each bucket's future inside the hook (``waiting_hook``: each bucket finished
+before the backward goes on). Both models run side by side in one job, interleaved:
+``--repeats`` rounds of ``--steps`` steps each (which hook goes first alternates), after
+``--warmup`` steps each. The median step, the ratio overlap/waiting of the medians and
+the median over rounds of each round's ratio (paired: robust to a load that drifts), and
+the hook's ``max_in_flight`` go to ``results/ddp_overlap.md`` and ``.json`` (both
+parameter sets are checked bitwise equal):
+
+    python benchmarks/ddp_step.py --overlap --model layer,wide_mlp --batch-size 8 --repeats 5
+    torchrun --standalone --nproc-per-node 2 benchmarks/ddp_step.py --overlap --model wide_mlp
 """
 
 from __future__ import annotations
@@ -42,6 +55,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["allreduce", "powersgd:1", "powersgd:2", "powersgd:4", "sparse:0.01", "sparse:0.001"]
+MODELS = ("layer", "wide_mlp")
+# --overlap: the hook as it is, and the hook waiting on each bucket's future.
+OVERLAP_CONFIGS = ("overlap", "waiting")
+
+
+def waiting_hook(state, bucket):
+    """The sparse hook made to wait on each bucket: it returns a completed future, so no
+    bucket's exchange overlaps the backward of the buckets after it."""
+    import torch
+
+    from horovod_sparse.torch.ddp import sparse_allreduce_hook
+
+    future = torch.futures.Future()
+    future.set_result(sparse_allreduce_hook(state, bucket).wait())
+    return future
 
 
 def build(model_name: str, batch_size: int, rank: int) -> tuple:
@@ -139,6 +167,114 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def overlap_worker(args: argparse.Namespace) -> None:
+    """One rank of --overlap: every model of ``--model`` in turn."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    results = [row for name in args.model.split(",") for row in overlap_rows(args, name)]
+    if dist.get_rank() == 0:
+        if args.result:
+            Path(args.result).write_text(json.dumps(results))
+        else:  # launched by torchrun directly
+            print(overlap_table([dict(row, network="this launch") for row in results]))
+    dist.barrier()  # destroy_process_group is no barrier
+    dist.destroy_process_group()
+
+
+def overlap_rows(args: argparse.Namespace, model_name: str) -> list[dict]:
+    """--overlap: the hook as it is against the hook waiting on each bucket, on one
+    model, interleaved round by round; one row each at this world size."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from horovod_sparse.torch.ddp import SparseState, sparse_allreduce_hook
+
+    size = dist.get_world_size()
+    runs = {}
+    for config in OVERLAP_CONFIGS:
+        module, bucket_cap_mb, x, y = build(model_name, args.batch_size, dist.get_rank())
+        model = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+        state = SparseState(density=args.density, momentum=0.9)  # the optimizer's momentum
+        model.register_comm_hook(
+            state, sparse_allreduce_hook if config == "overlap" else waiting_hook
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        runs[config] = (model, optimizer, state, x, y, [])
+
+    def step(config: str) -> float:
+        model, optimizer, _, x, y, _ = runs[config]
+        optimizer.zero_grad()
+        dist.barrier()
+        began = time.perf_counter()
+        out = model(x)
+        loss = out.square().mean() if y is None else torch.nn.functional.cross_entropy(out, y)
+        loss.backward()
+        optimizer.step()
+        return time.perf_counter() - began
+
+    for config in OVERLAP_CONFIGS:
+        for _ in range(args.warmup):
+            step(config)
+    for round_ in range(args.repeats):
+        # Alternate which hook goes first, so that a drift in the machine's load
+        # weighs on both alike; each round's steps are kept apart for the paired ratio.
+        for config in OVERLAP_CONFIGS[:: 1 if round_ % 2 == 0 else -1]:
+            runs[config][5].append([step(config) for _ in range(args.steps)])
+    flats = {
+        config: torch.cat([p.detach().reshape(-1) for p in run[0].parameters()])
+        for config, run in runs.items()
+    }
+    assert torch.equal(flats["overlap"], flats["waiting"]), "overlap changed the result"
+    parts = [torch.empty_like(flats["overlap"]) for _ in range(size)]
+    dist.all_gather(parts, flats["overlap"])
+    assert all(torch.equal(part, flats["overlap"]) for part in parts), "ranks differ"
+    rows = []
+    for config, (_, _, state, _, _, rounds) in runs.items():
+        stats = state.stats()
+        times = [t for one in rounds for t in one]
+        rows.append(
+            {
+                "model": model_name,
+                "P": size,
+                "config": config,
+                "density": args.density,
+                "buckets": stats.sparse_buckets + stats.dense_buckets,
+                "max_in_flight": state.max_in_flight,
+                "median_s": statistics.median(times),
+                "steps": len(times),
+                "round_medians_s": [statistics.median(one) for one in rounds],
+                "times_s": times,
+            }
+        )
+    return rows
+
+
+def overlap_table(rows: list[dict]) -> str:
+    lines = [
+        "| network | model | P | buckets | waiting: step (ms) | overlap: step (ms) "
+        "| overlap / waiting | same, paired rounds | max in flight |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    keys = sorted({(r["network"], r["model"], r["P"]) for r in rows}, key=str)
+    for key in keys:
+        mine = {r["config"]: r for r in rows if (r["network"], r["model"], r["P"]) == key}
+        waited, overlapped = mine["waiting"], mine["overlap"]
+        paired = statistics.median(
+            o / w for o, w in zip(overlapped["round_medians_s"], waited["round_medians_s"])
+        )
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2]} | {overlapped['buckets']} | "
+            f"{1e3 * waited['median_s']:.1f} | {1e3 * overlapped['median_s']:.1f} | "
+            f"{overlapped['median_s'] / waited['median_s']:.3f} | {paired:.3f} | "
+            f"{overlapped['max_in_flight']} |"
+        )
+    return "\n".join(lines)
+
+
 def worker_args(args: argparse.Namespace, result: Path) -> list[str]:
     return [
         __file__,
@@ -151,6 +287,11 @@ def worker_args(args: argparse.Namespace, result: Path) -> list[str]:
         str(args.warmup),
         "--steps",
         str(args.steps),
+        "--repeats",
+        str(args.repeats),
+        "--density",
+        str(args.density),
+        *(["--overlap"] if args.overlap else []),
         "--result",
         str(result),
     ]
@@ -179,18 +320,27 @@ def run_cluster(args: argparse.Namespace, size: int, preset: str, result: Path) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("layer", "wide_mlp"), default="layer")
+    parser.add_argument("--model", default="layer", help="layer or wide_mlp (--overlap: a list)")
     parser.add_argument("--sizes", default="2,4")
     parser.add_argument("--cluster", default="", help="link presets, e.g. 1g,10g (root)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--overlap", action="store_true", help="overlap against waiting")
+    parser.add_argument("--repeats", type=int, default=5, help="--overlap: interleaved rounds")
+    parser.add_argument("--density", type=float, default=0.01, help="--overlap: the density")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help="default: results/ddp_step_*")
     args = parser.parse_args()
+    names = args.model.split(",")
+    if any(name not in MODELS for name in names) or (len(names) > 1 and not args.overlap):
+        parser.error(f"--model: one of {MODELS} (with --overlap, a comma-separated list)")
     if args.worker or "TORCHELASTIC_RUN_ID" in os.environ:  # a rank, or torchrun's child
-        worker(args)
+        (overlap_worker if args.overlap else worker)(args)
+        return
+    if args.overlap:
+        overlap_main(args)
         return
     networks = args.cluster.split(",") if args.cluster else ["loopback"]
     out = args.out or ROOT / "results" / f"ddp_step_{args.model}_{'_'.join(networks)}"
@@ -210,6 +360,33 @@ def main() -> None:
     (out / "rows.json").write_text(json.dumps(rows))
     print(text)
     plot(rows, args.model, out / "step_vs_allreduce.png")
+
+
+def overlap_main(args: argparse.Namespace) -> None:
+    """--overlap on this machine's loopback, one torchrun job per world size."""
+    out = args.out or ROOT / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    load = os.getloadavg()
+    for size in (int(s) for s in args.sizes.split(",")):
+        result = out / f"ddp_overlap_p{size}.json"
+        run_loopback(args, size, result)
+        rows += [dict(row, network="loopback") for row in json.loads(result.read_text())]
+        result.unlink()
+        print(f"loopback P={size} done", flush=True)
+    text = overlap_table(rows)
+    command = " ".join(["python benchmarks/ddp_step.py", *sys.argv[1:]])
+    note = (
+        f"`{command}`: {args.warmup} warm-up steps, then {args.repeats} interleaved rounds "
+        f"of {args.steps} steps per hook; median step, and the median of the rounds' "
+        f"ratios; density {args.density}, momentum 0.9, batch "
+        f"{args.batch_size}, {os.cpu_count()} CPU cores, load average before / after: "
+        f"{load[0]:.2f} / {os.getloadavg()[0]:.2f}."
+    )
+    (out / "ddp_overlap.md").write_text(text + "\n\n" + note + "\n")
+    (out / "ddp_overlap.json").write_text(json.dumps({"command": command, "rows": rows}))
+    print(text)
+    print(note)
 
 
 def table(rows: list[dict]) -> str:

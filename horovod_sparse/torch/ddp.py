@@ -14,10 +14,22 @@ average over the process group, as DDP's default hook returns.
 DDP rebuilds its buckets after the first iteration (in the order gradients became
 ready), so the first iteration is a plain allreduce, as PowerSGD's warm-up is: it leaves
 no residual behind, and from the second iteration on each bucket keeps its residual.
+
+The exchanges overlap the backward pass: the hook launches its bucket's first collective
+(a sparse step's reduce-scatter, or the allreduce of a dense step) and returns the
+bucket's future without waiting. Every collective is issued from the hooks, in bucket
+order, so every rank issues the same sequence (Gloo and NCCL need that): bucket b+1's
+hook first finishes bucket b's reduce-scatter and launches its all-gather, then launches
+its own; the last bucket's hook finishes every pending bucket, in bucket order, and
+completes their futures before DDP waits on them. Waiting on a bucket's future from
+Python (a wrapper hook that waits) finishes the pending buckets up to it, in the same
+order. No collective is issued from a future's callback, whose thread and timing differ
+from rank to rank.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at
 # register_comm_hook (``bucket: dist.GradBucket``), as objects, not strings.
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +55,55 @@ BACKEND = DistributedBackend()
 HOOK_OPTIONS = PER_TENSOR_OPTIONS | {"min_sparse_numel"}
 # The velocity key of the instance's first iteration, whose one bucket holds everything.
 WHOLE = -1
+
+
+class _BucketFuture(torch.futures.Future[torch.Tensor]):
+    """A DDP bucket's result, set when the bucket's exchange is finished: by a later
+    bucket's hook, the last bucket's hook at the latest (DDP waits on it after that).
+    ``wait()`` called from Python before then finishes the pending exchanges up to this
+    bucket's, in bucket order (a hook that waits on it issues its collectives as every
+    rank does). A future chained on it with ``then()`` completes when it does."""
+
+    def __init__(self, state: "SparseState") -> None:
+        super().__init__()
+        self._state = state
+
+    def wait(self) -> torch.Tensor:
+        if not self.done():
+            self._state._finish(self)
+        return super().wait()
+
+
+@dataclass
+class _Pending:
+    """Bucket ``index``'s exchange in flight: a sparse bucket's :class:`BucketHandle`,
+    or the work of a dense allreduce in place; the future its result completes (None: a
+    piece of a replayed bucket before its last); ``paste``: the whole first bucket that a
+    replayed piece's result is copied into."""
+
+    index: int
+    handle: BucketHandle | None = None
+    work: Any = None
+    future: _BucketFuture | None = None
+    paste: torch.Tensor | None = None
+
+    def advance(self) -> None:
+        """Finish a sparse step's reduce-scatter and launch its all-gather (issues
+        collectives; a no-op past that stage and for a dense allreduce)."""
+        if self.handle is not None and self.handle.scattering:
+            self.handle.advance()
+
+    def ready(self) -> bool:
+        """Whether the result can be taken without a collective or a wait."""
+        if self.handle is not None:
+            return not self.handle.scattering and self.handle.poll()
+        return bool(BACKEND.poll(self.work))
+
+    def result(self) -> torch.Tensor:
+        """Wait for the exchange and return its result (the bucket, written in place)."""
+        if self.handle is not None:
+            return self.handle.wait()
+        return BACKEND.wait(self.work)
 
 
 class SparseState:
@@ -124,6 +185,16 @@ class SparseState:
         self._last: dict[int, StepStats | None] = {}  # per bucket: dense figures, or None
         # Momentum correction's velocity per bucket index (WHOLE: the first iteration's).
         self.velocity: dict[int, torch.Tensor] = {}
+        self._pending: list[_Pending] = []  # exchanges in flight, in launch order
+        self._max_in_flight = 0
+
+    @property
+    def max_in_flight(self) -> int:
+        """The most buckets whose exchanges were in flight at once, since this state
+        was made (2 or more: bucket b's all-gather was still running when bucket b+1's
+        reduce-scatter was launched; 1: each bucket was done before the next began, as
+        under a hook that waits on each bucket's future)."""
+        return self._max_in_flight
 
     def reducer(self, index: int, buffer: torch.Tensor) -> BucketReducer:
         """The reducer of DDP bucket ``index`` (created at its first sparse step)."""
@@ -150,7 +221,9 @@ class SparseState:
         return reducer
 
     def stats(self) -> StepStats:
-        """The last iteration's figures, summed over buckets (dense ones included)."""
+        """The last iteration's figures, summed over buckets (dense ones included);
+        complete once the backward pass has returned (the last bucket's hook finished
+        every bucket)."""
         total = StepStats()
         for index, dense in self._last.items():
             total += dense if dense is not None else self.reducers[index].last_stats()
@@ -192,9 +265,26 @@ class SparseState:
         self.load_state_dict(state["saved"])
 
     # ---------------------------------------------------------------- one bucket
-    def reduce(self, bucket: dist.GradBucket) -> torch.Tensor:
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Launch ``bucket``'s exchange and return the future of its average; the last
+        bucket's call finishes every bucket's (see the module's docstring)."""
+        try:
+            future = self._launch_bucket(bucket)
+            if bucket.is_last():
+                self._finish(None)
+            else:
+                self._finish_ready()
+        except BaseException as error:
+            self._fail(error)
+            raise
+        return future
+
+    def _launch_bucket(self, bucket: dist.GradBucket) -> _BucketFuture:
         buffer = bucket.buffer()
         parameters = bucket.parameters()
+        if bucket.index() == 0 and self._pending:
+            # Only an error ends a backward pass before its last bucket's hook.
+            self._fail(RuntimeError("the previous backward pass ended before its last bucket"))
         if not self._positions:
             # A DDP instance's first iteration: one bucket of every parameter, rebuilt
             # after it. With a saved layout (a resumed run), the saved buckets are cut
@@ -213,7 +303,7 @@ class SparseState:
             if self.layout:
                 return self._replay(buffer)
             self._correct(WHOLE, buffer)
-            return self._dense(bucket.index(), buffer)
+            return self._track(self._dense(bucket.index(), buffer))
         index = bucket.index()
         positions = [self._positions[id(p)] for p in parameters]
         if positions != self.layout.get(index, positions) and (
@@ -228,10 +318,66 @@ class SparseState:
         if whole is not None and index not in self.velocity:
             # The first rebuilt iteration: each bucket takes its parameters' velocity.
             self.velocity[index] = self._cut(whole, index)
-        result = self._sparse(index, buffer)
+        future = self._track(self._sparse(index, buffer))
         if bucket.is_last():
             self.velocity.pop(WHOLE, None)  # every bucket has taken its part
-        return result
+        return future
+
+    # ---------------------------------------------------------------- in flight
+    def _track(self, pending: _Pending) -> _BucketFuture:
+        """Give the just launched ``pending`` its bucket's future."""
+        pending.future = _BucketFuture(self)
+        return pending.future
+
+    def _launched(self, pending: _Pending) -> _Pending:
+        self._pending.append(pending)
+        self._max_in_flight = max(self._max_in_flight, len(self._pending))
+        return pending
+
+    def _advance(self) -> None:
+        """Before a launch: move every pending sparse step past its reduce-scatter (in
+        launch order), so that each rank issues the collectives in the same order."""
+        for pending in self._pending:
+            pending.advance()
+
+    def _complete(self, pending: _Pending) -> None:
+        result = pending.result()
+        if pending.paste is not None:
+            done = 0
+            for a, n in (self._pieces[i] for i in self.layout[pending.index]):
+                pending.paste[a : a + n].copy_(result[done : done + n])
+                done += n
+            result = pending.paste
+        if pending.future is not None:
+            pending.future.set_result(result)
+
+    def _finish(self, until: _BucketFuture | None) -> None:
+        """Finish the pending exchanges in launch order, through the one whose future is
+        ``until`` (None: all of them). Issues the all-gathers not yet launched."""
+        if until is not None and all(p.future is not until for p in self._pending):
+            return
+        try:
+            while self._pending:
+                pending = self._pending.pop(0)
+                self._complete(pending)
+                if until is not None and pending.future is until:
+                    return
+        except BaseException as error:
+            self._fail(error)
+            raise
+
+    def _finish_ready(self) -> None:
+        """Finish the oldest pending exchanges whose last collective has completed:
+        waits for nothing and issues nothing, so it may depend on timing."""
+        while self._pending and self._pending[0].ready():
+            self._complete(self._pending.pop(0))
+
+    def _fail(self, error: BaseException) -> None:
+        """Abandon the pending exchanges: their futures carry ``error``."""
+        pending, self._pending = self._pending, []
+        for p in pending:
+            if p.future is not None and not p.future.done():
+                p.future.set_exception(error)  # type: ignore[arg-type]  # torch's stub: T
 
     def _cut(self, whole: torch.Tensor, index: int) -> torch.Tensor:
         """Bucket ``index``'s entries of a tensor laid out as the first (whole) bucket."""
@@ -256,14 +402,17 @@ class SparseState:
         direction, _ = sgd_direction(BACKEND, buffer, velocity, self.momentum, 0.0, self.nesterov)
         buffer.copy_(direction)
 
-    def _dense(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
+    def _dense(self, index: int, buffer: torch.Tensor) -> _Pending:
         size = dist.get_world_size(self.process_group)
-        dist.all_reduce(buffer.div_(size), group=self.process_group)
+        self._advance()
+        work = BACKEND.allreduce_sum_inplace_async(
+            buffer.div_(size), f"hvds.ddp.{index}.dense", self.process_group
+        )
         itemsize = buffer.element_size()
         self._last[index] = dense_allreduce_stats(buffer.numel(), size, itemsize, itemsize)
-        return buffer
+        return self._launched(_Pending(index, work=work))
 
-    def _sparse(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
+    def _sparse(self, index: int, buffer: torch.Tensor) -> _Pending:
         self._correct(index, buffer)
         if buffer.numel() < self.config.min_sparse_numel:
             return self._dense(index, buffer)
@@ -273,28 +422,30 @@ class SparseState:
         reducer.velocity = self.velocity.get(index)
         size = dist.get_world_size(self.process_group)
         prescale, postscale = optimizer_scales("average", size, 1.0)
+        self._advance()  # the earlier buckets' collectives first
         stage = reducer.start(buffer, prescale)
-        return BucketHandle(reducer, stage, buffer, postscale, out=buffer).wait()
+        handle = BucketHandle(reducer, stage, buffer, postscale, out=buffer)
+        return self._launched(_Pending(index, handle=handle))
 
-    def _replay(self, buffer: torch.Tensor) -> torch.Tensor:
+    def _replay(self, buffer: torch.Tensor) -> _BucketFuture:
         """A resumed instance's first iteration: the whole bucket cut into the saved
-        buckets, each reduced with its own residual, in the saved index order."""
-        for index in sorted(self.layout):
-            result = self._sparse(index, self._cut(buffer, index))
-            done = 0
-            for a, n in (self._pieces[i] for i in self.layout[index]):
-                buffer[a : a + n].copy_(result[done : done + n])
-                done += n
-        return buffer
+        buckets, each reduced with its own residual, in the saved index order; each
+        piece's result is copied back into ``buffer``, whose future the last completes."""
+        pending = [self._sparse(index, self._cut(buffer, index)) for index in sorted(self.layout)]
+        for piece in pending:
+            piece.paste = buffer
+        return self._track(pending[-1])
 
 
 def sparse_allreduce_hook(
     state: SparseState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: the sparse average of the bucket over the process group."""
-    result = state.reduce(bucket)
+    """DDP communication hook: the sparse average of the bucket over the process group.
+
+    Returns without waiting for the exchange: the future completes once a later
+    bucket's hook, or this one if the bucket is the last, has finished it (see the
+    module's docstring); ``state.max_in_flight`` tells how many overlapped."""
+    future = state.reduce(bucket)
     if bucket.is_last():
         state.iteration += 1
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(result)
     return future

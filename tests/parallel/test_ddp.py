@@ -319,6 +319,59 @@ def test_momentum_correction_exchanges_the_velocity_and_masks_what_it_sent():
         before, velocity = after, state.velocity[0].numpy().copy()
 
 
+def waiting_hook(state, bucket):
+    """The hook made to wait for each bucket before returning, as the hook once did."""
+    future = torch.futures.Future()
+    future.set_result(sparse_allreduce_hook(state, bucket).wait())
+    return future
+
+
+def train_accumulating(model, optimizer, steps):
+    """Two micro-batches per step, the first under no_sync (DDP calls no hook for it)."""
+    for step in steps:
+        optimizer.zero_grad()
+        with model.no_sync():
+            x, y = batch(step)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        x, y = batch(1000 + step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize(
+    "momentum, fp16_values, accumulate",
+    [(0.0, False, False), (0.9, True, False), (0.9, False, True)],
+)
+def test_overlapping_buckets_equal_waiting_for_each(momentum, fp16_values, accumulate):
+    """The hook returns each bucket's future unfinished, so buckets' exchanges are in
+    flight together; the parameters are bitwise those of the hook waiting on each bucket
+    (every rank alike), over sparse steps of several buckets, one of them dense; with
+    gradient accumulation under no_sync too."""
+    options = dict(density=0.05, min_sparse_numel=5000, momentum=momentum, fp16_values=fp16_values)
+    runs = {}
+    for hook in (sparse_allreduce_hook, waiting_hook):
+        state = SparseState(**options)
+        torch.manual_seed(0)
+        model = DistributedDataParallel(Net(), bucket_cap_mb=0.03)
+        model.register_comm_hook(state, hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 - momentum)
+        (train_accumulating if accumulate else train)(model, optimizer, range(6))
+        runs[hook] = (state, model)
+    overlapped, waited = runs[sparse_allreduce_hook], runs[waiting_hook]
+    assert len(overlapped[0].reducers) >= 2, "expected several sparse DDP buckets"
+    assert overlapped[0].stats().dense_buckets >= 1
+    assert overlapped[0].max_in_flight >= 2 and waited[0].max_in_flight == 1
+    assert overlapped[0].iteration == waited[0].iteration == 6
+    sent = [run[0].stats() for run in (overlapped, waited)]
+    assert sent[0].bytes_sent == sent[1].bytes_sent and sent[0].numel == sent[1].numel
+    flat = flat_parameters(overlapped[1])
+    assert torch.equal(flat, flat_parameters(waited[1]))
+    for row in gather(flat):
+        np.testing.assert_array_equal(row, flat.numpy())  # every rank alike
+    for index, reducer in overlapped[0].reducers.items():
+        assert torch.equal(reducer.residual, waited[0].reducers[index].residual), index
+
+
 def test_bad_hook_options_are_refused():
     with pytest.raises(ValueError, match="momentum"):
         SparseState(momentum=1.5)
