@@ -1,15 +1,6 @@
 """Automatic dense or sparse exchange per bucket, from an alpha-beta model of the link.
 
-A sparse step of a bucket of n elements with budget k costs local work (selection,
-owner reduction, global selection without its collectives: measured, per element) plus its
-collectives; a dense step costs one ring allreduce of n values. With a link of
-per-message latency alpha and per-byte time beta (fitted from timed allreduces on the
-process set itself) and P ranks:
-
-* dense:  ``2(P-1) alpha + 2 (P-1)/P * n * s * beta`` (s: bytes per value);
-* sparse: ``c * n`` (measured local work) plus the alltoall ``(P-1) alpha + k r beta``,
-  four histogram allreduces ``4 (2(P-1) alpha + 2 (P-1)/P * 1 KiB * beta)`` and the
-  all-gather ``(P-1) alpha + k r beta`` (r: bytes per (index, value) row).
+The model, its probes and its fit are :mod:`horovod_sparse.common.cost_model`.
 
 Each decision weighs a bucket's cost both ways: the host seconds its steps actually
 spent in the exchange when it last ran that way (measured, mean over ranks), else the
@@ -60,92 +51,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from horovod_sparse.common.backend import Backend, Tensor
-from horovod_sparse.common.global_selection import HISTOGRAM_BINS, RADIX_SHIFTS
+from horovod_sparse.common.cost_model import LinkModel, dense_seconds, probe_link, sparse_seconds
 
-__all__ = [
-    "AutoScheduler",
-    "LinkModel",
-    "TrialOutcome",
-    "dense_seconds",
-    "fit_link",
-    "sparse_seconds",
-]
+__all__ = ["AutoScheduler", "BucketChoice", "TrialOutcome"]
 
-# Probe sizes in float32 elements: the smallest isolates alpha, the larger ones beta.
-# The largest (32 MiB) outlasts a shaper's burst allowance (tc tbf lets the first
-# burst of bytes through at line rate, which would make a small probe look fast).
-PROBE_NUMELS = (1, 1 << 20, 1 << 23)
-PROBE_REPEATS = 3
 # A mode never measured is tried for a window unless the model predicts it at more than
 # this many times the measured cost of the current mode: the model's error against
 # measured steps on emulated 1 and 10 Gbit/s links reached 149% (benchmarks/scaling.py).
 TRIAL_FACTOR = 2.5
 # What a decision starts, as broadcast from rank 0.
 NO_TRIAL, BUCKET_TRIAL, OVERLAP_TRIAL = 0.0, 1.0, 2.0
-
-
-@dataclass(frozen=True)
-class LinkModel:
-    """Ring-allreduce cost: ``alpha`` seconds per message step, ``beta`` seconds per byte."""
-
-    alpha: float
-    beta: float
-
-
-def ring_terms(numel: int, itemsize: int, world_size: int) -> tuple[float, float]:
-    """(message steps, bytes out per rank) of a ring allreduce."""
-    p = world_size
-    return 2.0 * (p - 1), 2.0 * (p - 1) / p * numel * itemsize
-
-
-def fit_link(samples: list[tuple[int, float]], world_size: int, itemsize: int = 4) -> LinkModel:
-    """Least-squares ``alpha``, ``beta`` (both >= 0) from (numel, seconds) allreduce timings."""
-    rows = [(*ring_terms(n, itemsize, world_size), t) for n, t in samples]
-    sxx = sum(m * m for m, _, _ in rows)
-    sxy = sum(m * b for m, b, _ in rows)
-    syy = sum(b * b for _, b, _ in rows)
-    sxt = sum(m * t for m, _, t in rows)
-    syt = sum(b * t for _, b, t in rows)
-    det = sxx * syy - sxy * sxy
-    if det > 0:
-        alpha = (sxt * syy - syt * sxy) / det
-        beta = (sxx * syt - sxy * sxt) / det
-        if alpha >= 0 and beta >= 0:
-            return LinkModel(alpha, beta)
-    # Degenerate or negative fit: latency from the smallest probe, bandwidth from the largest.
-    small = min(rows, key=lambda row: row[1])
-    large = max(rows, key=lambda row: row[1])
-    alpha = max(0.0, small[2] / small[0]) if small[0] else 0.0
-    beta = max(0.0, (large[2] - alpha * large[0]) / large[1]) if large[1] else 0.0
-    return LinkModel(alpha, beta)
-
-
-def dense_seconds(link: LinkModel, numel: int, itemsize: int, world_size: int) -> float:
-    """Predicted time of a dense step: one ring allreduce of ``numel`` values."""
-    if world_size <= 1:
-        return 0.0
-    steps, volume = ring_terms(numel, itemsize, world_size)
-    return link.alpha * steps + link.beta * volume
-
-
-def sparse_seconds(
-    link: LinkModel,
-    numel: int,
-    k: int,
-    world_size: int,
-    local_seconds_per_element: float,
-    row_bytes: int = 8,
-) -> float:
-    """Predicted time of a sparse step: measured local work plus its five collectives."""
-    p = world_size
-    local = local_seconds_per_element * numel
-    if p <= 1:
-        return local
-    rows_out = k * (p - 1) / p  # a rank's share of k rows, minus its own region
-    alltoall = link.alpha * (p - 1) + link.beta * rows_out * row_bytes
-    allgather = link.alpha * (p - 1) + link.beta * rows_out * row_bytes
-    histograms = len(RADIX_SHIFTS) * dense_seconds(link, HISTOGRAM_BINS, 4, p)
-    return local + alltoall + histograms + allgather
 
 
 @dataclass
@@ -333,7 +248,10 @@ class AutoScheduler:
         two more.
         """
         world = self.ops.size(self.process_set)
-        link = self._probe_link(like, world) if self.choose_density else self.link
+        if self.choose_density:
+            link: LinkModel | None = probe_link(self.ops, like, world, self.name, self.process_set)
+        else:
+            link = self.link
         step_seconds = self._share_measurements(like, world, link)
         current = tuple(choice.dense for choice in self.choices)
         if self._trial_of is not None:
@@ -466,22 +384,3 @@ class AutoScheduler:
         self.overlap = overlap
         for choice, flag in zip(self.choices, flags):
             choice.switch(flag)
-
-    def _probe_link(self, like: Tensor, world: int) -> LinkModel:
-        """Alpha and beta of the process set's link, from timed allreduces (the fastest
-        of ``PROBE_REPEATS`` per size)."""
-        ops = self.ops
-        samples = []
-        for numel in PROBE_NUMELS:
-            best = math.inf
-            for repeat in range(PROBE_REPEATS):
-                probe = ops.zeros(numel, like)
-                began = ops.clock()
-                ops.wait(
-                    ops.allreduce_sum_async(
-                        probe, f"{self.name}.probe{numel}.{repeat}", self.process_set
-                    )
-                )
-                best = min(best, ops.clock() - began)
-            samples.append((numel, best))
-        return fit_link(samples, world)

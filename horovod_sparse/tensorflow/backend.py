@@ -18,9 +18,10 @@ import numpy as np
 import tensorflow as tf
 
 from horovod_sparse.common.backend import HorovodPrimitives
-from horovod_sparse.common.config import SparseConfig, budget
+from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.tensorflow.kernels import VariableCell, scheduled_budget, top_k_mask
 
-__all__ = ["BACKEND", "TFBackend", "VariableCell", "scheduled_budget"]
+__all__ = ["BACKEND", "TFBackend", "VariableCell"]  # VariableCell: from kernels.py
 
 _HISTOGRAM_BINS = 256
 # tf.math.round rounds half to even, as Python's round does on the host.
@@ -34,55 +35,6 @@ def _shape(buffer: tf.Tensor) -> tf.Tensor:
 def _rows(indices: tf.Tensor) -> tf.Tensor:
     """Flat indices as the ``[count, 1]`` int64 coordinates of a 1-D sparse tensor."""
     return tf.cast(indices, tf.int64)[:, None]
-
-
-def _top_k_mask(magnitudes: tf.Tensor, k: Any) -> tf.Tensor:
-    """Exactly the k largest ``magnitudes`` (ties by lower position, NaN counted as the
-    largest, as ``torch.topk`` counts it), as a mask, so the positions stay ascending.
-
-    One selection (``NthElement``, std::nth_element) and three passes: on 16M floats
-    with k of 1% it takes a fraction of ``tf.math.top_k``'s time (its k-heap and the
-    sort of its indices); on 235k candidates, 5.1 ms against 23.1 ms (CPU, one thread).
-    """
-    magnitudes = tf.where(tf.math.is_nan(magnitudes), tf.cast(np.inf, magnitudes.dtype), magnitudes)
-    kth = tf.raw_ops.NthElement(input=magnitudes, n=tf.cast(k - 1, tf.int32), reverse=True)
-    above = magnitudes > kth
-    at = tf.equal(magnitudes, kth)
-    room = k - tf.reduce_sum(tf.cast(above, tf.int64))
-    return above | (at & (tf.cumsum(tf.cast(at, tf.int64)) <= room))
-
-
-def scheduled_budget(numel: int, config: SparseConfig, step: Any) -> Any:
-    """``budget(numel, config.density_at(step))`` for a step count that may be a graph
-    value: a host int when the density does not depend on the step, else an int64
-    scalar computed in the graph (n during warm-up).
-
-    The budgets of the decay (``density_decay_steps`` + 1 of them: the last is the
-    target density's) are computed on the host by the one rule, ``density_at``, and
-    looked up by the step, so the graph's k is the host's exactly: no float power in
-    the graph whose last bit could move a ceil. The cost is a constant of that many
-    int64 per bucket.
-    """
-    warmup, decay = config.warmup_steps, config.density_decay_steps
-    if not (warmup or decay):
-        return budget(numel, config.density)
-    table = [budget(numel, config.density_at(warmup + i)) for i in range(decay + 1)]
-    step = tf.cast(step, tf.int64)
-    k = tf.gather(tf.constant(table, tf.int64), tf.clip_by_value(step - warmup, 0, decay))
-    return tf.where(step < warmup, tf.constant(numel, tf.int64), k) if warmup else k
-
-
-class VariableCell:
-    """A :class:`~horovod_sparse.common.backend.Cell` in a ``tf.Variable``."""
-
-    def __init__(self, variable: tf.Variable) -> None:
-        self.variable = variable
-
-    def get(self) -> tf.Tensor:
-        return tf.convert_to_tensor(self.variable)
-
-    def set(self, value: Any) -> None:
-        self.variable.assign(tf.cast(value, self.variable.dtype))
 
 
 class TFBackend(HorovodPrimitives):
@@ -227,7 +179,7 @@ class TFBackend(HorovodPrimitives):
         numel = values.shape[0]
         if numel is not None and not tf.is_tensor(k) and k >= numel:
             return tf.range(numel, dtype=tf.int64)
-        return tf.where(_top_k_mask(tf.abs(values), k))[:, 0]
+        return tf.where(top_k_mask(tf.abs(values), k))[:, 0]
 
     def strided_sample_abs(self, values: tf.Tensor, size: int, offset: int) -> tf.Tensor:
         stride = max(1, int(values.shape[0]) // size)
@@ -243,7 +195,7 @@ class TFBackend(HorovodPrimitives):
 
     def top_of(self, values: tf.Tensor, candidates: tf.Tensor, k: Any) -> tf.Tensor:
         magnitudes = tf.abs(tf.gather(values, candidates))
-        return tf.boolean_mask(candidates, _top_k_mask(magnitudes, k))
+        return tf.boolean_mask(candidates, top_k_mask(magnitudes, k))
 
     def position_histogram(self, indices: tf.Tensor, numel: int, bins: int) -> tf.Tensor:
         which = indices * bins // numel
@@ -258,7 +210,7 @@ class TFBackend(HorovodPrimitives):
     # The sparse-tensor kernels below beat tensor_scatter_nd_* on a bucket of 16M floats
     # with 1% of the entries addressed (CPU, one thread): 8.6 ms against 17.7 to zero
     # them, 5.5 against 28.8 to add to them, 2.9 against 26.4 to scatter into zeros.
-    # They, and NthElement in _top_k_mask, were chosen and measured on the CPU only;
+    # They, and NthElement in top_k_mask, were chosen and measured on the CPU only;
     # under a GPU, TF places an op that has no GPU kernel on the host, with copies.
 
     def zero_at(self, buffer: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:

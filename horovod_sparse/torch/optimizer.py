@@ -9,16 +9,16 @@ Tensors smaller than ``min_sparse_numel`` go through Horovod's dense allreduce.
 The step's decisions and its run over all buckets are the engine's
 (:mod:`horovod_sparse.common.engine`); this adapter keeps PyTorch's side: hooks,
 parameter views, ``backward_passes_per_step``, ``synchronize``/``skip_synchronize`` and
-``state_dict`` (docs/design.md §3).
+``state_dict`` (docs/design.md §3). This module sets the optimizer up and holds its hooks;
+``synchronize`` and ``step`` are :mod:`horovod_sparse.torch.stepping`'s, ``state_dict``
+:mod:`horovod_sparse.torch.checkpoint`'s and the reports :mod:`horovod_sparse.torch.reporting`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
-import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import horovod.torch as hvd
@@ -32,7 +32,7 @@ from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.validation import raise_on_any_rank, verdict_of
 from horovod_sparse.torch.assembly import attach_correction, build_engine, make_reducer
 from horovod_sparse.torch.checkpoint import OptimizerCheckpoint
-from horovod_sparse.torch.collectives import allgather_object, called_by_horovod_state_broadcast
+from horovod_sparse.torch.collectives import allgather_object
 from horovod_sparse.torch.functions import BACKEND, op_name
 from horovod_sparse.torch.gradients import GradientRouting
 from horovod_sparse.torch.momentum import Correction, make_correction
@@ -41,11 +41,12 @@ from horovod_sparse.torch.parameters import (
     name_parameters,
 )
 from horovod_sparse.torch.reporting import OptimizerReports
+from horovod_sparse.torch.stepping import OptimizerStep
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
 
 
-class SparseOptimizerMixin(OptimizerCheckpoint, OptimizerReports):
+class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports):
     """Mixin that turns a ``torch.optim.Optimizer`` class into a sparse-allreduce one.
 
     Combine it in front of any optimizer class (``class MyAdam(SparseOptimizerMixin,
@@ -251,149 +252,6 @@ class SparseOptimizerMixin(OptimizerCheckpoint, OptimizerReports):
         if self.engine.trace is not None:
             self.engine.trace.backward_step(now)
         self.engine.open_step()
-
-    def _begin_step(self) -> None:
-        self.engine.begin_step()
-        self._routing.begin_step()
-
-    # ------------------------------------------------------------------ public API
-    def synchronize(self) -> None:
-        """Finish every bucket's exchange and write the averaged gradients into ``p.grad``.
-
-        Call it yourself before gradient clipping, then step inside
-        :meth:`skip_synchronize`::
-
-            loss.backward()
-            optimizer.synchronize()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
-            with optimizer.skip_synchronize():
-                optimizer.step()
-        """
-        if self._deferred is not None:
-            raise RuntimeError(
-                "synchronize() is not available with overlap_allgather=True: gradient "
-                "clipping needs every averaged gradient before the step, but the all-gathers "
-                "are deferred to the next forward pass. Turn overlap_allgather off to clip"
-            )
-        if not self._member:
-            self._synchronized = True  # outside the process set: nothing to reduce
-            return
-        for index, handle in self._launch_gathers():
-            # The bucket buffer is free again: the result is written into it.
-            self._routing.write(index, self.engine.finish(index, handle))
-        self.engine.record_step()
-        self._begin_step()
-        self._synchronized = True
-
-    def _launch_gathers(self) -> list[tuple[int, Any]]:
-        """Finish every reduce-scatter and launch every all-gather (waits for none)."""
-        if not self._routing.step_open:
-            self._follow_world_size()
-            self.engine.open_step()
-        self._routing.submit_unused()
-        # With the all-gathers deferred to the next forward, launch them in forward order.
-        return self.engine.launch_gathers(forward_order=self._deferred is not None)
-
-    def flush(self) -> None:
-        """Apply every update still waiting for its all-gather (``overlap_allgather``).
-
-        Call it after the last ``step()`` when no forward pass follows; the optimizer's
-        and the model's ``state_dict()`` call it too. A no-op without overlap.
-        """
-        if self._deferred is not None:
-            self._deferred.apply_all()
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Make the next ``step()`` skip :meth:`synchronize` (already called by the user)."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
-    def step(self, closure: Any = None) -> Any:
-        if not self._member:
-            return self._local_step(closure)
-        if called_by_horovod_state_broadcast():
-            # Horovod's broadcast_optimizer_state steps an optimizer whose state is
-            # empty with zero gradients, on the ranks where it is empty only, to create
-            # that state. Horovod's own optimizer then takes the wrapped optimizer's
-            # local step; so does this one, or those ranks would wait in an exchange
-            # that the others never join. Unlike Horovod's, it leaves the parameters as
-            # they were: weight decay would otherwise move them on those ranks only,
-            # after the user's broadcast_parameters.
-            with torch.no_grad():
-                params = [p for group in self.param_groups for p in group["params"]]
-                before = [p.detach().clone() for p in params]
-                try:
-                    return self._local_step(closure)
-                finally:
-                    for p, value in zip(params, before):
-                        p.copy_(value)
-        if self._deferred is not None:
-            return self._step_deferred(closure)
-        if self._should_synchronize:
-            if self._synchronized:
-                warnings.warn(
-                    "optimizer.step() called without optimizer.skip_synchronize() context after "
-                    "optimizer.synchronize(). This can cause training slowdown.",
-                    stacklevel=2,
-                )
-            self.synchronize()
-        self._synchronized = False
-        return self._wrapped_step(closure)
-
-    def _step_deferred(self, closure: Any) -> Any:
-        """``step()`` with overlap_allgather: launch the all-gathers and return; each
-        bucket's update is applied before its parameters are next used (torch/overlap.py)."""
-        deferred = self._deferred
-        assert deferred is not None, "called only with overlap_allgather"
-        if not self._should_synchronize:
-            raise RuntimeError("skip_synchronize() is not available with overlap_allgather=True")
-        if closure is not None:
-            raise ValueError("step(closure) is not supported with overlap_allgather=True")
-        deferred.apply_all()  # a step() with no forward since the last one
-        deferred.defer(self._launch_gathers())
-        if not self.overlapping:
-            # overlap_allgather="auto" judged overlap slower: wait for the all-gathers
-            # now, with the same per-bucket updates (the same trajectory).
-            deferred.apply_all()
-        self._begin_step()
-        return None
-
-    def _wrapped_step(self, closure: Any) -> Any:
-        if self._correction is None:
-            return super().step(closure)
-        return self._correction.step(super().step, closure)
-
-    def _local_step(self, closure: Any) -> Any:
-        """The wrapped optimizer's step on this rank's own ``p.grad``, with no exchange
-        (momentum correction included: its state is created or advanced as a step
-        would). ``p.grad`` is left as it was."""
-        correction = self._correction
-        if correction is None:
-            return super().step(closure)
-        saved = {}
-        for p in correction.covered:
-            if p.grad is not None:
-                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-                saved[p] = p.grad
-                p.grad = correction.update(p, grad)
-        try:
-            return self._wrapped_step(closure)
-        finally:
-            for p, grad in saved.items():
-                p.grad = grad
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.engine.busy:
-            raise AssertionError(
-                "optimizer.zero_grad() was called after loss.backward() but before "
-                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
-                "cause a race condition."
-            )
-        return super().zero_grad(set_to_none=set_to_none)
 
 
 def _can_be_sparse(config: SparseConfig, named: list[tuple[str, torch.Tensor]]) -> bool:

@@ -6,9 +6,9 @@ import horovod.torch as hvd
 import pytest
 import torch
 
-import horovod_sparse.common.scheduler as scheduler_module
+import horovod_sparse.common.cost_model as cost_model
 import horovod_sparse.torch as hvds
-from horovod_sparse.common.scheduler import LinkModel
+from horovod_sparse.common.cost_model import LinkModel
 from horovod_sparse.common.step import StepKind
 from tests.buckets import sparse_buckets
 
@@ -60,7 +60,7 @@ def spread(model) -> float:
 )
 def test_auto_tries_what_the_link_allows_and_every_rank_agrees(monkeypatch, link, dense_tried):
     # Replace the fitted link by an extreme one so the proposal is not in doubt.
-    monkeypatch.setattr(scheduler_module, "fit_link", lambda samples, world: link)
+    monkeypatch.setattr(cost_model, "fit_link", lambda samples, world: link)
     model, opt = model_and_optimizer()
     sparse_buckets = len(opt.residuals())
     assert sparse_buckets == 2

@@ -5,14 +5,14 @@ import statistics
 
 import pytest
 
-from horovod_sparse.common.scheduler import (
-    AutoScheduler,
+from horovod_sparse.common.cost_model import (
     LinkModel,
     dense_seconds,
     fit_link,
     ring_terms,
     sparse_seconds,
 )
+from horovod_sparse.common.scheduler import AutoScheduler
 
 
 def ring_time(link: LinkModel, numel: int, world: int) -> float:

@@ -19,7 +19,8 @@ tf = pytest.importorskip("tensorflow")
 
 from horovod_sparse.common.backend import HostCounts  # noqa: E402
 from horovod_sparse.common.config import SparseConfig, budget  # noqa: E402
-from horovod_sparse.tensorflow.backend import TFBackend, scheduled_budget  # noqa: E402
+from horovod_sparse.tensorflow.backend import TFBackend  # noqa: E402
+from horovod_sparse.tensorflow.kernels import scheduled_budget  # noqa: E402
 
 SCHEDULES = [
     dict(density=0.01),

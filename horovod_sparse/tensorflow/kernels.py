@@ -1,0 +1,68 @@
+"""TensorFlow pieces of the backend that stand on their own, with no Horovod.
+
+Exact top-k as a mask (:func:`top_k_mask`, the selection kernel), the budget k as a graph
+value while the density decays (:func:`scheduled_budget`), and the
+:class:`~horovod_sparse.common.backend.Cell` in a ``tf.Variable`` (:class:`VariableCell`),
+so a traced step keeps its state. :class:`~horovod_sparse.tensorflow.backend.TFBackend`
+builds its primitives on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from horovod_sparse.common.config import SparseConfig, budget
+
+__all__ = ["VariableCell", "scheduled_budget", "top_k_mask"]
+
+
+def top_k_mask(magnitudes: tf.Tensor, k: Any) -> tf.Tensor:
+    """Exactly the k largest ``magnitudes`` (ties by lower position, NaN counted as the
+    largest, as ``torch.topk`` counts it), as a mask, so the positions stay ascending.
+
+    One selection (``NthElement``, std::nth_element) and three passes: on 16M floats
+    with k of 1% it takes a fraction of ``tf.math.top_k``'s time (its k-heap and the
+    sort of its indices); on 235k candidates, 5.1 ms against 23.1 ms (CPU, one thread).
+    """
+    magnitudes = tf.where(tf.math.is_nan(magnitudes), tf.cast(np.inf, magnitudes.dtype), magnitudes)
+    kth = tf.raw_ops.NthElement(input=magnitudes, n=tf.cast(k - 1, tf.int32), reverse=True)
+    above = magnitudes > kth
+    at = tf.equal(magnitudes, kth)
+    room = k - tf.reduce_sum(tf.cast(above, tf.int64))
+    return above | (at & (tf.cumsum(tf.cast(at, tf.int64)) <= room))
+
+
+def scheduled_budget(numel: int, config: SparseConfig, step: Any) -> Any:
+    """``budget(numel, config.density_at(step))`` for a step count that may be a graph
+    value: a host int when the density does not depend on the step, else an int64
+    scalar computed in the graph (n during warm-up).
+
+    The budgets of the decay (``density_decay_steps`` + 1 of them: the last is the
+    target density's) are computed on the host by the one rule, ``density_at``, and
+    looked up by the step, so the graph's k is the host's exactly: no float power in
+    the graph whose last bit could move a ceil. The cost is a constant of that many
+    int64 per bucket.
+    """
+    warmup, decay = config.warmup_steps, config.density_decay_steps
+    if not (warmup or decay):
+        return budget(numel, config.density)
+    table = [budget(numel, config.density_at(warmup + i)) for i in range(decay + 1)]
+    step = tf.cast(step, tf.int64)
+    k = tf.gather(tf.constant(table, tf.int64), tf.clip_by_value(step - warmup, 0, decay))
+    return tf.where(step < warmup, tf.constant(numel, tf.int64), k) if warmup else k
+
+
+class VariableCell:
+    """A :class:`~horovod_sparse.common.backend.Cell` in a ``tf.Variable``."""
+
+    def __init__(self, variable: tf.Variable) -> None:
+        self.variable = variable
+
+    def get(self) -> tf.Tensor:
+        return tf.convert_to_tensor(self.variable)
+
+    def set(self, value: Any) -> None:
+        self.variable.assign(tf.cast(value, self.variable.dtype))
