@@ -10,7 +10,6 @@ from typing import Any
 __all__ = [
     "DEFAULT_FUSION_THRESHOLD_BYTES",
     "OPTION_NAMES",
-    "PER_TENSOR_OPTIONS",
     "SparseConfig",
     "budget",
     "fusion_threshold_bytes",
@@ -226,21 +225,6 @@ def optimizer_scales(
 
 
 OPTION_NAMES = frozenset(spec.name for spec in fields(SparseConfig))
-# What a single-tensor sparse_allreduce acts on (no buckets, no optimizer, no hooks).
-PER_TENSOR_OPTIONS = frozenset(
-    (
-        "density",
-        "selection",
-        "partition",
-        "reestimate_steps",
-        "repartition_steps",
-        "warmup_steps",
-        "density_decay_steps",
-        "error_feedback",
-        "global_selection",
-        "refresh_steps",
-    )
-)
 
 
 def take_options(keywords: dict[str, Any]) -> dict[str, Any]:

@@ -36,13 +36,13 @@ import torch
 import torch.distributed as dist
 
 from horovod_sparse.common.config import (
-    PER_TENSOR_OPTIONS,
     SparseConfig,
     make_config,
     optimizer_scales,
 )
 from horovod_sparse.common.correction import sgd_direction
 from horovod_sparse.common.handle import BucketHandle
+from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.stats import StepStats, dense_allreduce_stats
 from horovod_sparse.torch.distributed import DistributedBackend, FP16Values
@@ -50,9 +50,6 @@ from horovod_sparse.torch.distributed import DistributedBackend, FP16Values
 __all__ = ["SparseState", "sparse_allreduce_hook"]
 
 BACKEND = DistributedBackend()
-# The per-tensor options, and min_sparse_numel: a DDP bucket smaller than it is averaged
-# densely (DDP's buckets hold whole parameters, so small ones rarely get a bucket alone).
-HOOK_OPTIONS = PER_TENSOR_OPTIONS | {"min_sparse_numel"}
 # The velocity key of the instance's first iteration, whose one bucket holds everything.
 WHOLE = -1
 
@@ -159,7 +156,7 @@ class SparseState:
         if nesterov and momentum == 0.0:
             raise ValueError("nesterov=True needs momentum > 0")
         config = make_config(dict(options, density=density))
-        config.unsupported("the DDP communication hook", HOOK_OPTIONS)
+        refuse_unsupported(config, Frontend.DDP_HOOK)
         self._begin(config, process_group, float(momentum), nesterov, fp16_values)
 
     def _begin(
