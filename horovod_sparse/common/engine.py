@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from horovod_sparse.common.all_at_once import AllAtOnce, Finished
 from horovod_sparse.common.backend import Backend, Tensor
 from horovod_sparse.common.engine_state import BucketView, EngineState, SharedState
 from horovod_sparse.common.fusion import DenseFusion
@@ -32,10 +33,6 @@ from horovod_sparse.common.step import StepKind, StepRecord
 from horovod_sparse.common.trace import Trace
 
 __all__ = ["BucketView", "Engine", "Reducer", "SharedState"]
-
-# Called with a bucket's index and result once its step is done; returns the result
-# (TensorFlow stores the bucket's state in its variables there).
-Finished = Callable[[int, Tensor], Tensor]
 
 
 class Engine(EngineState):
@@ -291,7 +288,7 @@ class Engine(EngineState):
         between the run's allreduce and its members' own steps.
         """
         plan = self.open_step(gradients_in_residual=True)
-        step = _AllAtOnce(self, flats, finished)
+        step = AllAtOnce(self, flats, finished)
         graph_runs = [] if plan.runs_fuse is True else plan.fused_runs
         in_graph_runs = {i for run in graph_runs for i in run}
         results: list[Any] = [None] * len(self.reducers)
@@ -343,78 +340,6 @@ class Engine(EngineState):
         for reducer, record in self.records:
             total += reducer.stats_of(record.on_host(self.ops))
         return total
-
-
-class _AllAtOnce:
-    """The run of :meth:`Engine.reduce_all`: parts of the step, as the plan splits it."""
-
-    def __init__(self, engine: Engine, flats: Sequence[Tensor], finished: Finished | None):
-        self.engine = engine
-        self.flats = flats
-        self.finished = finished
-
-    def run(self, indices: list[int], kinds: list[StepKind]) -> list[Tensor]:
-        """The steps of ``indices``, of known ``kinds``, launched in order, then their
-        gathers (threshold refreshes grouped), then their results."""
-        engine = self.engine
-        for index, kind in zip(indices, kinds):
-            reducer = engine.reducers[index]
-            if not isinstance(reducer, BucketReducer):
-                engine.launch(index, self.flats[index], kind, result_in_buffer=False)
-                continue
-            # Error feedback: the gradients join what the residual owes.
-            reducer.accumulate(self.flats[index], 0, engine.prescale)
-            # A fused step's contribution is written over the gradients' tensor (a new
-            # tensor: a run all at once fuses only on a backend that is not in place).
-            buffer = self.flats[index] if kind is StepKind.DENSE_FUSED else reducer.residual
-            engine.launch(index, buffer, kind, result_in_buffer=False)
-        results = []
-        for index, handle in engine.launch_gathers(indices=indices):
-            result = engine.finish(index, handle)
-            results.append(self.finished(index, result) if self.finished else result)
-        return results
-
-    def alone(self, index: int) -> Tensor:
-        """A bucket whose kind is a graph value: one cond on its dense flag."""
-
-        reducer = _as_sparse(self.engine.reducers[index])
-        before = reducer.tensors()
-
-        def dense() -> Tensor:
-            reducer.rewind(before)
-            return self.run([index], [StepKind.DENSE_FROM_RESIDUAL])[0]
-
-        def sparse() -> Tensor:
-            reducer.rewind(before)
-            return self.run([index], [StepKind.SPARSE])[0]
-
-        plan = self.engine.plan
-        assert plan is not None, "planned by reduce_all"
-        return self.engine.ops.cond(plan.dense[index], dense, sparse)
-
-    def together(self, members: list[int]) -> Callable[[], list[Tensor]]:
-        """A fused run's branch: one allreduce for the run."""
-        reducers = [_as_sparse(self.engine.reducers[index]) for index in members]
-        before = [reducer.tensors() for reducer in reducers]
-
-        def fused() -> list[Tensor]:
-            for reducer, tensors in zip(reducers, before):
-                reducer.rewind(tensors)
-            return self.run(members, [StepKind.DENSE_FUSED] * len(members))
-
-        return fused
-
-    def apart(self, members: list[int]) -> Callable[[], list[Tensor]]:
-        """A fused run's other branch: each member's own step."""
-        reducers = [_as_sparse(self.engine.reducers[index]) for index in members]
-        before = [reducer.tensors() for reducer in reducers]
-
-        def each() -> list[Tensor]:
-            for reducer, tensors in zip(reducers, before):
-                reducer.rewind(tensors)  # not from the fused branch's trace
-            return [self.alone(index) for index in members]
-
-        return each
 
 
 def _as_sparse(reducer: Reducer) -> BucketReducer:

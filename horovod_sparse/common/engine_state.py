@@ -139,6 +139,17 @@ class EngineState:
             for choice, reducer in zip(self.scheduler.choices, self.sparse):
                 reducer.force_dense = choice.dense
 
+    def pin(self, dense: bool) -> None:
+        """Exchange every sparse bucket densely (or sparsely) from the next step on; an
+        automatic scheduler decides no more. The switch to dense folds each residual
+        into its first dense step (docs/design.md §3), so no mass is lost."""
+        if self.scheduler is not None:
+            self.scheduler.hold()
+            for choice in self.scheduler.choices:
+                choice.switch(dense)
+        for reducer in self.sparse:
+            reducer.force_dense = dense
+
     def restart_scheduler(self) -> None:
         """Decide again from the current step (after a restore or a shared state)."""
         if self.scheduler is not None and self.sparse:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,6 +223,11 @@ class AutoScheduler:
             self._steps_to_skip -= 1
             return
         self._step_times.append(seconds)
+
+    def hold(self) -> None:
+        """Decide no more (the modes were pinned by hand), with no trial in progress."""
+        self.next_decision = sys.maxsize
+        self._trial_of = None
 
     def restart(self, step: int) -> None:
         """After a restored checkpoint: decide at ``step``, with no trial in progress."""

@@ -37,6 +37,15 @@ class OptimizerReports:
         :mod:`horovod_sparse.common.fusion`)."""
         return [[self.engine.names[i] for i in run] for run in self.engine.fusion_runs]
 
+    def pin_exchange(self, mode: str) -> None:
+        """Exchange every sparse bucket ``"dense"``-ly or ``"sparse"``-ly from the next
+        step on; ``scheduler="auto"`` decides no more. Call it on every rank at the same
+        step (the ranks' collectives must match). A switch to dense sends each residual
+        with its first dense step, so no gradient mass is lost."""
+        if mode not in ("dense", "sparse"):
+            raise ValueError(f"pin_exchange takes 'dense' or 'sparse', not {mode!r}")
+        self.engine.pin(mode == "dense")
+
     def schedule(self) -> dict[str, dict[str, Any]]:
         """Per sparse bucket: the exchange the scheduler chose and its predictions.
 

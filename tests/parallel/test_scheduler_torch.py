@@ -115,9 +115,7 @@ def test_switching_to_dense_folds_the_residual_in():
     model, opt = model_and_optimizer()
     train(model, opt, 5)
     assert any(r.abs().sum() > 0 for r in opt.residuals().values())
-    for slot in sparse_buckets(opt, model):
-        slot.reducer.force_dense = True  # what a dense decision sets
-    opt.engine.scheduler.next_decision = 10**9  # and no decision to undo it
+    opt.pin_exchange("dense")  # what a dense decision sets, and no decision to undo it
     train(model, opt, 1)
     assert all(r.abs().sum() == 0 for r in opt.residuals().values())
     assert opt.stats().dense_buckets == 3
@@ -129,12 +127,10 @@ def test_dense_steps_after_the_switch_reduce_the_bucket_buffer_like_horovod():
     Switching back to sparse then conserves mass from a clear residual."""
     model, opt = model_and_optimizer()
     train(model, opt, 5)
-    for slot in sparse_buckets(opt, model):
-        slot.reducer.force_dense = True
-    opt.engine.scheduler.next_decision = 10**9
+    opt.pin_exchange("dense")
     train(model, opt, 1)  # the switch: residual + gradient, then a clear residual
     slots = sparse_buckets(opt, model)
-    assert all(slot.reducer.residual_clear and slot.reducer.dense_in_buffer for slot in slots)
+    assert all(view.residual_clear and view.force_dense for view in opt.buckets() if view.sparse)
     for step in range(3):
         g = torch.Generator().manual_seed(1000 + step * 7 + hvd.rank())
         opt.zero_grad()
@@ -154,8 +150,7 @@ def test_dense_steps_after_the_switch_reduce_the_bucket_buffer_like_horovod():
             if view.sparse
         )
     # Back to sparse: residual_after + P * result == residual_before + gradient, summed.
-    for slot in slots:
-        slot.reducer.force_dense = False
+    opt.pin_exchange("sparse")
     g = torch.Generator().manual_seed(2000 + hvd.rank())
     opt.zero_grad()
     model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
