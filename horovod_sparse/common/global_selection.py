@@ -127,6 +127,13 @@ class ReusedGlobalThreshold:
         TF step, a graph value of the due flag rather than the first trace's True."""
         self._state(ops, keys)
 
+    def cells(self) -> dict[str, Cell]:
+        """The state's cells by name (none before :meth:`bind`), for a framework
+        checkpoint that tracks variables."""
+        if self._cells is None:
+            return {}
+        return dict(zip(("key", "due", "age", "k", "cap"), self._cells))
+
     def _state(self, ops: Backend, keys: Tensor) -> tuple[Cell, Cell, Cell, Cell, Cell]:
         if self._cells is None:
             self._cells = (ops.cell(0, keys), ops.cell(True), ops.cell(0), ops.cell(0), ops.cell(0))

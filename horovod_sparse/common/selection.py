@@ -27,6 +27,13 @@ class LocalSelection(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def bind(self, ops: Backend, like: Tensor) -> None:
+        """Make the state's cells now (``like``: the accumulator's dtype and device)
+        rather than at the first call."""
+
+    def cells(self) -> dict[str, Cell]:
+        """The state's cells by name, for a framework checkpoint that tracks variables."""
+
 
 class ExactSelection:
     """Exactly the ``k`` largest magnitudes (``topk``): O(n log k), no state."""
@@ -39,6 +46,12 @@ class ExactSelection:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    def bind(self, ops: Backend, like: Tensor) -> None:
+        pass
+
+    def cells(self) -> dict[str, Cell]:
+        return {}
 
 
 class ThresholdSelection:
@@ -78,6 +91,14 @@ class ThresholdSelection:
                 threshold.set(loaded["threshold"])
             self._cells = (threshold, ops.cell(int(loaded["calls"])), ops.cell(loaded["stale"]))
         return self._cells
+
+    def bind(self, ops: Backend, like: Tensor) -> None:
+        self._state(ops, like)
+
+    def cells(self) -> dict[str, Cell]:
+        if self._cells is None:
+            return {}
+        return dict(zip(("threshold", "calls", "stale"), self._cells))
 
     def _estimate(self, ops: Backend, accumulator: Tensor, k: Any, numel: int, calls: Any) -> Any:
         sample = min(numel, self.sample_size)

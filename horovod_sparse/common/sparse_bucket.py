@@ -123,10 +123,26 @@ class SparseBucket:
         kind begins from the state before the cond, not from the other branch's."""
         self._residual, self.velocity, self.residual_clear = tensors
 
+    def make_state_cells(self) -> None:
+        """Make now the cells the selection and the reused global threshold otherwise
+        make at the first step (TensorFlow: so that a checkpoint of an optimizer that
+        has not stepped yet holds them, and restores into them)."""
+        self.selection.bind(self.ops, self._residual)
+        if self.reused_threshold is not None:
+            keys = self.ops.magnitude_keys(self.ops.zeros(1, self._residual))
+            self.reused_threshold.bind(self.ops, keys)
+
     def state_cells(self) -> dict[str, Any]:
-        """The step count and boundaries' cells (variables under TensorFlow), by name,
-        for a framework checkpoint that tracks variables."""
-        return {"step": self._step, "boundaries": self._boundaries}
+        """Every cell of this bucket's state (variables under TensorFlow) by name: the
+        step count, the boundaries, the selection's and the reused global threshold's
+        (those made so far: see :meth:`make_state_cells`), for a framework checkpoint
+        that tracks variables."""
+        cells: dict[str, Any] = {"step": self._step, "boundaries": self._boundaries}
+        cells.update({f"selection_{k}": c for k, c in self.selection.cells().items()})
+        if self.reused_threshold is not None:
+            threshold = self.reused_threshold.cells()
+            cells.update({f"global_threshold_{k}": c for k, c in threshold.items()})
+        return cells
 
     # ---------------------------------------------------------------- the schedule
     @property

@@ -8,6 +8,7 @@ the buckets by the rule torch shares (``plan_model``) and exchanges them through
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Callable
 
 import horovod.tensorflow as hvd
@@ -16,10 +17,11 @@ import tensorflow as tf
 
 from horovod_sparse.common.buckets import Bucket, plan_model
 from horovod_sparse.common.config import SparseConfig, optimizer_scales
+from horovod_sparse.common.engine import BucketView
 from horovod_sparse.common.fusion import DenseFusion, FusionMember, plan_dense_runs
 from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer
 from horovod_sparse.common.stats import StepStats, progress_line
-from horovod_sparse.tensorflow.backend import BACKEND
+from horovod_sparse.tensorflow.backend import BACKEND, VariableCell
 from horovod_sparse.tensorflow.buckets import (
     BucketSet,
     BucketState,
@@ -53,6 +55,12 @@ class GradientReducer:
         make_variable: ``(kind, numel, dtype, name) -> zero variable``, ``kind`` being
             ``"residual"`` or ``"velocity"``; lets the Keras optimizer own the residuals
             and velocities so they are saved with its checkpoint.
+        make_state_variable: ``(initial, name) -> variable`` holding the tensor
+            ``initial``: lets the Keras optimizer own the rest of a sparse bucket's state
+            too (step count, boundaries, selection and reused global threshold: the
+            ``state_cells`` of :class:`~horovod_sparse.common.sparse_bucket.SparseBucket`,
+            all made at construction), so a restored run resumes its schedule. None: keep
+            the backend's ``tf.Variable`` objects (:meth:`state_variables`).
         momentum, nesterov: momentum correction (DGC) for an SGD whose own momentum is
             off: with ``momentum > 0`` every bucket keeps a per-rank velocity
             ``u = momentum * u + grad`` (a ``make_variable`` variable, like the
@@ -82,6 +90,7 @@ class GradientReducer:
         num_groups: int = 0,
         name: str = "hvds.tf",
         make_variable: Callable[[str, int, tf.DType, str], Any] | None = None,
+        make_state_variable: Callable[[tf.Tensor, str], Any] | None = None,
         momentum: float = 0.0,
         nesterov: bool = False,
         adam: AdamSettings | None = None,
@@ -132,6 +141,7 @@ class GradientReducer:
                     BACKEND, stem, bucket.numel, like, config, process_set, compression
                 )
                 residual = make_variable("residual", bucket.numel, dtype, bucket.name)
+                _own_state(reducer, bucket.name, make_state_variable)
             else:
                 reducer = DenseBucketReducer(
                     BACKEND, stem, bucket.numel, like, process_set, compression
@@ -276,6 +286,49 @@ class GradientReducer:
     def moments(self) -> dict[str, tuple[Any, Any]]:
         """Adam-correction ``(exp_avg, exp_avg_sq)`` per sparse bucket (empty when off)."""
         return {b.name: s.moments for b, _, s in self.buckets if s.moments is not None}
+
+    def state_variables(self) -> dict[str, Any]:
+        """Every variable a resumed run needs, by ``"{kind}_{bucket}"``: residuals,
+        velocities, Adam's moments and step, and each sparse bucket's step count,
+        boundaries, selection and reused global threshold state; e.g.
+        ``tf.train.Checkpoint(tape_state=...)``."""
+        out: dict[str, Any] = {}
+        if self._adam_step is not None:
+            out["adam_step"] = self._adam_step
+        for bucket, _, state in self.buckets:
+            named = {"residual": state.residual, "velocity": state.velocity}
+            if state.moments is not None:
+                named["exp_avg"], named["exp_avg_sq"] = state.moments
+            if isinstance(state.reducer, BucketReducer):
+                named.update({k: _variable_of(c) for k, c in state.reducer.state_cells().items()})
+            out.update({f"{k}_{bucket.name}": v for k, v in named.items() if v is not None})
+        return out
+
+    def bucket_views(self) -> list[BucketView]:
+        """A read-only snapshot of every bucket (step count, boundaries, ...), in plan
+        order, with host ints (call eagerly)."""
+        return [
+            replace(view, step=int(view.step), boundaries=tuple(int(b) for b in view.boundaries))
+            for view in self.bucket_set.engine.views()
+        ]
+
+
+def _variable_of(cell: Any) -> Any:
+    assert isinstance(cell, VariableCell), cell
+    return cell.variable
+
+
+def _own_state(
+    reducer: BucketReducer, name: str, make: Callable[[tf.Tensor, str], Any] | None
+) -> None:
+    """Make every state cell of ``reducer`` now and, given ``make``, move each into a
+    variable ``make`` creates (holding the same value), before any step reads it."""
+    reducer.make_state_cells()
+    if make is None:
+        return
+    for key, cell in reducer.state_cells().items():
+        assert isinstance(cell, VariableCell), cell
+        cell.variable = make(cell.get(), f"{key}_{name}")
 
 
 def describe_variables(variables: Sequence[Any]) -> list[tuple[str, int, str, int]]:

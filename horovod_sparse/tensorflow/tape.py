@@ -160,3 +160,11 @@ class DistributedGradientTape(tf.GradientTape):
         if self._reducer is None:
             raise RuntimeError("gradient() has not been called on this tape")
         return self._reducer.residuals()
+
+    def state_variables(self) -> dict[str, tf.Variable]:
+        """Every variable a resumed run needs, by ``"{kind}_{bucket}"``: the residuals
+        and each sparse bucket's step count, boundaries, selection and reused global
+        threshold state, e.g. ``tf.train.Checkpoint(tape_state=tape.state_variables())``."""
+        if self._reducer is None:
+            raise RuntimeError("gradient() has not been called on this tape")
+        return self._reducer.state_variables()

@@ -36,6 +36,7 @@ import tensorflow as tf
 from horovod_sparse.common.classes import combined_class
 from horovod_sparse.common.config import SparseConfig, make_config, optimizer_scales, take_options
 from horovod_sparse.common.correction import correction_family
+from horovod_sparse.common.engine import BucketView
 from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.tensorflow.reducer import AdamSettings, GradientReducer, op_name
@@ -203,12 +204,23 @@ class SparseOptimizerMixin(_OptimizerBase):
             # Optimizer variables: saved and restored with the model's checkpoint.
             return self.add_variable((numel,), dtype=dtype.name, name=f"sparse_{kind}_{name}")
 
+        def make_state_variable(initial: tf.Tensor, name: str) -> Any:
+            # A bucket's step count, boundaries, selection and reused threshold: made at
+            # build (not at the first step), so a fresh optimizer's variable list is the
+            # saved one's, and a restored run resumes its schedule.
+            variable = self.add_variable(
+                tuple(initial.shape), dtype=initial.dtype.name, name=f"sparse_{name}"
+            )
+            variable.assign(initial)
+            return variable
+
         assert self.sparse_config is not None  # else validation raised above
         self._gradient_reducer = GradientReducer(
             variables,
             self.sparse_config,
             name=f"hvds.keras.{self.name}",
             make_variable=make_variable,
+            make_state_variable=make_state_variable,
             momentum=self._corrected_momentum,
             adam=self._adam_correction,
             nesterov=self._corrected_nesterov,
@@ -270,6 +282,22 @@ class SparseOptimizerMixin(_OptimizerBase):
         if self._gradient_reducer is None:
             raise RuntimeError("the optimizer has not been built yet")
         return self._gradient_reducer.moments()
+
+    def state_variables(self) -> dict[str, Any]:
+        """Every sparse-state variable a resumed run needs, by ``"{kind}_{bucket}"``
+        (residuals, velocities, moments, and each sparse bucket's step count, boundaries,
+        selection and reused global threshold state); all part of
+        ``optimizer.variables``, so saved with the optimizer's checkpoint."""
+        if self._gradient_reducer is None:
+            raise RuntimeError("the optimizer has not been built yet")
+        return self._gradient_reducer.state_variables()
+
+    def bucket_views(self) -> list[BucketView]:
+        """A read-only snapshot of every bucket (step count, boundaries, ...), in plan
+        order (call eagerly)."""
+        if self._gradient_reducer is None:
+            raise RuntimeError("the optimizer has not been built yet")
+        return self._gradient_reducer.bucket_views()
 
     def velocity_variables(self) -> dict[str, Any]:
         """This rank's momentum-correction velocity per bucket (also part of
