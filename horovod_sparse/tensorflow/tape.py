@@ -13,10 +13,24 @@ from horovod_sparse.common.stats import StepStats
 from horovod_sparse.tensorflow.reducer import GradientReducer
 from horovod_sparse.tensorflow.validation import check_variables, describe, validate_across_ranks
 
-__all__ = ["DistributedGradientTape"]
+__all__ = ["DistributedGradientTape", "gradient_reducer"]
 
 # Reducers (and so residuals) outlive the tape: a new tape is usually made every step.
 _REDUCERS: dict[tuple[Any, ...], GradientReducer] = {}
+
+
+def gradient_reducer(name: str) -> GradientReducer:
+    """The state tapes named ``name`` keep between steps (a new tape is usually made
+    every step): buckets, residuals, fused runs and the last step's statistics. The
+    first made under that name when several were (other sources or options).
+
+    Raises:
+        KeyError: no tape of that name has reduced gradients yet.
+    """
+    for key, reducer in _REDUCERS.items():
+        if key[0] == name:
+            return reducer
+    raise KeyError(f"no DistributedGradientTape named {name!r} has reduced gradients yet")
 
 
 class DistributedGradientTape(tf.GradientTape):

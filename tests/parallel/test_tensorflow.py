@@ -394,7 +394,7 @@ def fusion_tape(name, graph, **options):
 
 
 def tape_reducer(name):
-    return next(r for key, r in tape_module._REDUCERS.items() if key[0] == name)
+    return tape_module.gradient_reducer(name)
 
 
 def by_bucket(reducer, tensors):
@@ -595,8 +595,8 @@ def test_keras_fused_warmup_follows_the_trajectory_of_separate_allreduces():
         opts.append(opt)
     fused, alone = opts
     kernels = ["sparse0.float32", "sparse1.float32", "sparse2.float32"]
-    assert fused._gradient_reducer.fused_dense_runs == [kernels]
-    assert alone._gradient_reducer.fused_dense_runs == []
+    assert fused.fused_dense_runs == [kernels]
+    assert alone.fused_dense_runs == []
     assert fused.momentum_correction and fused.stats().sparse_buckets == 3
     tolerance = dict(rtol=0, atol=0) if hvd.size() == 2 else dict(rtol=1e-6, atol=1e-7)
     for a, b in zip(models[0].trainable_variables, models[1].trainable_variables):

@@ -264,6 +264,13 @@ class SparseOptimizerMixin(_OptimizerBase):
                 [g for g, _ in native], [v for _, v in native], learning_rate
             )
 
+    @property
+    def fused_dense_runs(self) -> list[list[str]]:
+        """Bucket names that share one allreduce on a step where they are all dense
+        (empty before the first step)."""
+        reducer = self._gradient_reducer
+        return reducer.fused_dense_runs if reducer is not None else []
+
     def stats(self) -> StepStats:
         """Statistics of the last update step (call eagerly)."""
         if self._gradient_reducer is None:
