@@ -5,7 +5,7 @@ residual policy (docs/design.md §6), and elastic world-size changes."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,7 @@ from horovod_sparse.common.plan import Reducer
 from horovod_sparse.common.scheduler import AutoScheduler, TrialOutcome
 from horovod_sparse.common.step import StepKind
 
-__all__ = ["BucketView", "EngineState", "SharedState", "residual_share"]
+__all__ = ["BucketView", "EngineState", "SharedState", "residual_share", "residual_share_among"]
 
 # Per sparse bucket: step, boundaries, the scheduler's choice, the reused global
 # threshold's state (None with global_selection="exact").
@@ -67,6 +67,30 @@ def residual_share(saved: dict[str, Any], rank: int, world_size: int, owner: str
         stacklevel=3,
     )
     return 1.0 / world_size
+
+
+def residual_share_among(
+    saved_by: tuple[int, str] | None, loaded: Sequence[tuple[int, str] | None]
+) -> float:
+    """The checkpoint policy where every rank's load is known (a collective after the
+    load, as the DDP hook runs in its first step): each rank takes ``1 / m`` of the
+    residual it loaded, m being the number of ranks that loaded the residual saved by
+    the same rank of the same process (``saved_by``: its rank and owner token; None:
+    nothing loaded). Per-rank checkpoints restore exactly (m = 1); one checkpoint
+    loaded by every rank counts its mass once, with a warning that the other ranks'
+    residuals at save time are not in it.
+    """
+    if saved_by is None:
+        return 1.0
+    loaders = sum(1 for other in loaded if other == saved_by)
+    if loaders > 1:
+        warnings.warn(
+            f"{loaders} ranks loaded the residuals that rank {saved_by[0]} saved: each takes "
+            f"1/{loaders} of them, so their mass counts once; the other ranks' residuals at "
+            "save time are not in the checkpoint",
+            stacklevel=3,
+        )
+    return 1.0 / loaders
 
 
 class EngineState:

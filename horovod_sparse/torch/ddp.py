@@ -29,7 +29,7 @@ from rank to rank.
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at
 # register_comm_hook (``bucket: dist.GradBucket``), as objects, not strings.
-from dataclasses import dataclass
+import uuid
 from typing import Any
 
 import torch
@@ -41,10 +41,12 @@ from horovod_sparse.common.config import (
     optimizer_scales,
 )
 from horovod_sparse.common.correction import sgd_direction
-from horovod_sparse.common.handle import BucketHandle
+from horovod_sparse.common.engine import Engine
+from horovod_sparse.common.engine_state import residual_share_among
 from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.stats import StepStats, dense_allreduce_stats
+from horovod_sparse.torch.ddp_flight import BucketFuture, InFlight, Pending
 from horovod_sparse.torch.distributed import DistributedBackend, FP16Values
 
 __all__ = ["SparseState", "sparse_allreduce_hook"]
@@ -52,55 +54,6 @@ __all__ = ["SparseState", "sparse_allreduce_hook"]
 BACKEND = DistributedBackend()
 # The velocity key of the instance's first iteration, whose one bucket holds everything.
 WHOLE = -1
-
-
-class _BucketFuture(torch.futures.Future[torch.Tensor]):
-    """A DDP bucket's result, set when the bucket's exchange is finished: by a later
-    bucket's hook, the last bucket's hook at the latest (DDP waits on it after that).
-    ``wait()`` called from Python before then finishes the pending exchanges up to this
-    bucket's, in bucket order (a hook that waits on it issues its collectives as every
-    rank does). A future chained on it with ``then()`` completes when it does."""
-
-    def __init__(self, state: "SparseState") -> None:
-        super().__init__()
-        self._state = state
-
-    def wait(self) -> torch.Tensor:
-        if not self.done():
-            self._state._finish(self)
-        return super().wait()
-
-
-@dataclass
-class _Pending:
-    """Bucket ``index``'s exchange in flight: a sparse bucket's :class:`BucketHandle`,
-    or the work of a dense allreduce in place; the future its result completes (None: a
-    piece of a replayed bucket before its last); ``paste``: the whole first bucket that a
-    replayed piece's result is copied into."""
-
-    index: int
-    handle: BucketHandle | None = None
-    work: Any = None
-    future: _BucketFuture | None = None
-    paste: torch.Tensor | None = None
-
-    def advance(self) -> None:
-        """Finish a sparse step's reduce-scatter and launch its all-gather (issues
-        collectives; a no-op past that stage and for a dense allreduce)."""
-        if self.handle is not None and self.handle.scattering:
-            self.handle.advance()
-
-    def ready(self) -> bool:
-        """Whether the result can be taken without a collective or a wait."""
-        if self.handle is not None:
-            return not self.handle.scattering and self.handle.poll()
-        return bool(BACKEND.poll(self.work))
-
-    def result(self) -> torch.Tensor:
-        """Wait for the exchange and return its result (the bucket, written in place)."""
-        if self.handle is not None:
-            return self.handle.wait()
-        return BACKEND.wait(self.work)
 
 
 class SparseState:
@@ -182,8 +135,12 @@ class SparseState:
         self._last: dict[int, StepStats | None] = {}  # per bucket: dense figures, or None
         # Momentum correction's velocity per bucket index (WHOLE: the first iteration's).
         self.velocity: dict[int, torch.Tensor] = {}
-        self._pending: list[_Pending] = []  # exchanges in flight, in launch order
-        self._max_in_flight = 0
+        self._engines: dict[int, Engine] = {}  # one engine of one bucket per DDP bucket
+        self._saver: dict[str, Any] | None = None  # who saved the loaded state
+        self._share: float | None = None  # of the loaded residuals, once agreed
+        self._flight = InFlight()  # exchanges in flight, in launch order
+        # Who saved a checkpoint of this state: the residual policy (docs/design.md §6).
+        self._owner_token = uuid.uuid4().hex
 
     @property
     def max_in_flight(self) -> int:
@@ -191,17 +148,23 @@ class SparseState:
         was made (2 or more: bucket b's all-gather was still running when bucket b+1's
         reduce-scatter was launched; 1: each bucket was done before the next began, as
         under a hook that waits on each bucket's future)."""
-        return self._max_in_flight
+        return self._flight.max_in_flight
 
     def reducer(self, index: int, buffer: torch.Tensor) -> BucketReducer:
         """The reducer of DDP bucket ``index`` (created at its first sparse step)."""
-        reducer = self.reducers.get(index)
-        if reducer is not None and reducer.numel != buffer.numel():
+        return self._engine(index, buffer).sparse[0]
+
+    def _engine(self, index: int, buffer: torch.Tensor) -> Engine:
+        """The engine of DDP bucket ``index``'s steps (created at its first sparse step,
+        from a loaded checkpoint's state by the residual policy, docs/design.md §6)."""
+        engine = self._engines.get(index)
+        if engine is not None and engine.sparse[0].numel != buffer.numel():
             raise RuntimeError(
-                f"DDP bucket {index} changed from {reducer.numel} to {buffer.numel()} entries "
-                "after the hook kept a residual for it; its residual cannot be carried over"
+                f"DDP bucket {index} changed from {engine.sparse[0].numel} to "
+                f"{buffer.numel()} entries after the hook kept a residual for it; its "
+                "residual cannot be carried over"
             )
-        if reducer is None:
+        if engine is None:
             reducer = BucketReducer(
                 BACKEND,
                 f"hvds.ddp.{index}",
@@ -211,11 +174,30 @@ class SparseState:
                 self.process_group,
                 FP16Values if self.fp16_values else None,
             )
+            share = self._residual_share()  # a collective: before any bucket's exchange
             saved = self._saved.pop(index, None)
             if saved is not None:
-                reducer.load_state_dict(saved)
+                reducer.load_state_dict(saved, share)
+            engine = self._engines[index] = Engine(BACKEND, [f"ddp.{index}"], [reducer])
+            size = dist.get_world_size(self.process_group)
+            engine.prescale, engine.postscale = optimizer_scales("average", size, 1.0)
             self.reducers[index] = reducer
-        return reducer
+        return engine
+
+    def _residual_share(self) -> float:
+        """The share of its loaded residuals this rank takes (docs/design.md §6,
+        ``residual_share_among``): every rank says whose residuals it loaded, in one
+        ``all_gather_object`` at the first sparse step after the state was made or
+        loaded (every rank runs it there, loaded or not), so that a checkpoint saved by
+        one rank and loaded by all (as Accelerate and Lightning save) counts its mass
+        once, and per-rank checkpoints restore exactly."""
+        if self._share is None:
+            saver = self._saver
+            mine = None if saver is None else (int(saver["rank"]), str(saver["owner"]))
+            everyone: list[Any] = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(everyone, mine, group=self.process_group)
+            self._share = residual_share_among(mine, everyone)
+        return self._share
 
     def stats(self) -> StepStats:
         """The last iteration's figures, summed over buckets (dense ones included);
@@ -227,8 +209,15 @@ class SparseState:
         return total
 
     def state_dict(self) -> dict[str, Any]:
+        """Residuals, steps, layout and velocities (references, as torch optimizers'
+        state), and who saved them (rank, world size, this process), so that a
+        checkpoint saved by one rank and loaded by all counts its residual once."""
         buckets = {index: r.state_dict() for index, r in self.reducers.items()}
+        initialized = dist.is_available() and dist.is_initialized()
         return {
+            "rank": dist.get_rank(self.process_group) if initialized else 0,
+            "world_size": dist.get_world_size(self.process_group) if initialized else 1,
+            "owner": self._owner_token,
             "iteration": self.iteration,
             "buckets": {**self._saved, **buckets},
             "layout": {index: list(p) for index, p in self.layout.items()},
@@ -236,8 +225,14 @@ class SparseState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; each bucket's residual is taken at its next step
+        by the residual policy of docs/design.md §6 (a warning when this rank loads
+        another rank's residuals)."""
         self.iteration = int(state["iteration"])
-        self.reducers = {}
+        self._saver = (
+            {k: state[k] for k in ("rank", "world_size", "owner")} if "owner" in state else None
+        )
+        self.reducers, self._engines, self._share = {}, {}, None
         self._saved = {int(i): s for i, s in state["buckets"].items()}
         self.layout = {int(i): [int(p) for p in ps] for i, ps in state["layout"].items()}
         self.velocity = {int(i): v.clone() for i, v in state.get("velocity", {}).items()}
@@ -268,20 +263,22 @@ class SparseState:
         try:
             future = self._launch_bucket(bucket)
             if bucket.is_last():
-                self._finish(None)
+                self._flight.finish(None)
             else:
-                self._finish_ready()
+                self._flight.finish_ready()
         except BaseException as error:
-            self._fail(error)
+            self._flight.fail(error)
             raise
         return future
 
-    def _launch_bucket(self, bucket: dist.GradBucket) -> _BucketFuture:
+    def _launch_bucket(self, bucket: dist.GradBucket) -> BucketFuture:
         buffer = bucket.buffer()
         parameters = bucket.parameters()
-        if bucket.index() == 0 and self._pending:
+        if bucket.index() == 0 and self._flight.pending:
             # Only an error ends a backward pass before its last bucket's hook.
-            self._fail(RuntimeError("the previous backward pass ended before its last bucket"))
+            self._flight.fail(
+                RuntimeError("the previous backward pass ended before its last bucket")
+            )
         if not self._positions:
             # A DDP instance's first iteration: one bucket of every parameter, rebuilt
             # after it. With a saved layout (a resumed run), the saved buckets are cut
@@ -300,7 +297,7 @@ class SparseState:
             if self.layout:
                 return self._replay(buffer)
             self._correct(WHOLE, buffer)
-            return self._track(self._dense(bucket.index(), buffer))
+            return self._flight.track(self._dense(bucket.index(), buffer))
         index = bucket.index()
         positions = [self._positions[id(p)] for p in parameters]
         if positions != self.layout.get(index, positions) and (
@@ -315,66 +312,10 @@ class SparseState:
         if whole is not None and index not in self.velocity:
             # The first rebuilt iteration: each bucket takes its parameters' velocity.
             self.velocity[index] = self._cut(whole, index)
-        future = self._track(self._sparse(index, buffer))
+        future = self._flight.track(self._sparse(index, buffer))
         if bucket.is_last():
             self.velocity.pop(WHOLE, None)  # every bucket has taken its part
         return future
-
-    # ---------------------------------------------------------------- in flight
-    def _track(self, pending: _Pending) -> _BucketFuture:
-        """Give the just launched ``pending`` its bucket's future."""
-        pending.future = _BucketFuture(self)
-        return pending.future
-
-    def _launched(self, pending: _Pending) -> _Pending:
-        self._pending.append(pending)
-        self._max_in_flight = max(self._max_in_flight, len(self._pending))
-        return pending
-
-    def _advance(self) -> None:
-        """Before a launch: move every pending sparse step past its reduce-scatter (in
-        launch order), so that each rank issues the collectives in the same order."""
-        for pending in self._pending:
-            pending.advance()
-
-    def _complete(self, pending: _Pending) -> None:
-        result = pending.result()
-        if pending.paste is not None:
-            done = 0
-            for a, n in (self._pieces[i] for i in self.layout[pending.index]):
-                pending.paste[a : a + n].copy_(result[done : done + n])
-                done += n
-            result = pending.paste
-        if pending.future is not None:
-            pending.future.set_result(result)
-
-    def _finish(self, until: _BucketFuture | None) -> None:
-        """Finish the pending exchanges in launch order, through the one whose future is
-        ``until`` (None: all of them). Issues the all-gathers not yet launched."""
-        if until is not None and all(p.future is not until for p in self._pending):
-            return
-        try:
-            while self._pending:
-                pending = self._pending.pop(0)
-                self._complete(pending)
-                if until is not None and pending.future is until:
-                    return
-        except BaseException as error:
-            self._fail(error)
-            raise
-
-    def _finish_ready(self) -> None:
-        """Finish the oldest pending exchanges whose last collective has completed:
-        waits for nothing and issues nothing, so it may depend on timing."""
-        while self._pending and self._pending[0].ready():
-            self._complete(self._pending.pop(0))
-
-    def _fail(self, error: BaseException) -> None:
-        """Abandon the pending exchanges: their futures carry ``error``."""
-        pending, self._pending = self._pending, []
-        for p in pending:
-            if p.future is not None and not p.future.done():
-                p.future.set_exception(error)  # type: ignore[arg-type]  # torch's stub: T
 
     def _cut(self, whole: torch.Tensor, index: int) -> torch.Tensor:
         """Bucket ``index``'s entries of a tensor laid out as the first (whole) bucket."""
@@ -399,39 +340,46 @@ class SparseState:
         direction, _ = sgd_direction(BACKEND, buffer, velocity, self.momentum, 0.0, self.nesterov)
         buffer.copy_(direction)
 
-    def _dense(self, index: int, buffer: torch.Tensor) -> _Pending:
+    def _dense(self, index: int, buffer: torch.Tensor) -> Pending:
+        """The first iteration's, or a small bucket's, average: an allreduce in place."""
         size = dist.get_world_size(self.process_group)
-        self._advance()
+        self._flight.advance()  # the earlier buckets' collectives first
         work = BACKEND.allreduce_sum_inplace_async(
             buffer.div_(size), f"hvds.ddp.{index}.dense", self.process_group
         )
         itemsize = buffer.element_size()
         self._last[index] = dense_allreduce_stats(buffer.numel(), size, itemsize, itemsize)
-        return self._launched(_Pending(index, work=work))
+        pending = Pending(index, work=work, wait_work=BACKEND.wait, poll_work=BACKEND.poll)
+        return self._flight.launched(pending)
 
-    def _sparse(self, index: int, buffer: torch.Tensor) -> _Pending:
+    def _sparse(self, index: int, buffer: torch.Tensor) -> Pending:
+        """A sparse bucket's step, of the kind its engine's plan gives, launched on the
+        bucket buffer (which the result is written into)."""
         self._correct(index, buffer)
         if buffer.numel() < self.config.min_sparse_numel:
             return self._dense(index, buffer)
         self._last[index] = None
-        reducer = self.reducer(index, buffer)
+        engine = self._engine(index, buffer)
         # Momentum factor masking: the entries sent leave the velocity too.
-        reducer.velocity = self.velocity.get(index)
-        size = dist.get_world_size(self.process_group)
-        prescale, postscale = optimizer_scales("average", size, 1.0)
-        self._advance()  # the earlier buckets' collectives first
-        stage = reducer.start(buffer, prescale)
-        handle = BucketHandle(reducer, stage, buffer, postscale, out=buffer)
-        return self._launched(_Pending(index, handle=handle))
+        engine.mask_with(0, self.velocity.get(index))
+        engine.begin_step()
+        engine.open_step()
+        if not engine.gradients_in_buffer(0):
+            engine.accumulate(0, buffer, 0)  # error feedback, into the residual
+        self._flight.advance()  # the earlier buckets' collectives first
+        handle = engine.launch(0, buffer)
+        assert handle is not None, "one bucket: never a fused run"
+        return self._flight.launched(Pending(index, handle=handle))
 
-    def _replay(self, buffer: torch.Tensor) -> _BucketFuture:
+    def _replay(self, buffer: torch.Tensor) -> BucketFuture:
         """A resumed instance's first iteration: the whole bucket cut into the saved
         buckets, each reduced with its own residual, in the saved index order; each
         piece's result is copied back into ``buffer``, whose future the last completes."""
         pending = [self._sparse(index, self._cut(buffer, index)) for index in sorted(self.layout)]
         for piece in pending:
             piece.paste = buffer
-        return self._track(pending[-1])
+            piece.pieces = [self._pieces[i] for i in self.layout[piece.index]]
+        return self._flight.track(pending[-1])
 
 
 def sparse_allreduce_hook(

@@ -195,6 +195,32 @@ def test_parameters_identical_and_a_checkpoint_resumes_exactly(momentum):
         assert torch.equal(flat_parameters(resumed), uninterrupted), restore
 
 
+def test_a_checkpoint_saved_by_rank_zero_counts_its_residuals_once():
+    """Accelerate and Lightning save the hook's state from rank 0 only, and every rank
+    loads it. Each rank then takes 1/P of rank 0's residuals, with a warning, so that
+    their mass counts once: summed over ranks, the loaded residuals are rank 0's."""
+    state = SparseState(density=0.05, min_sparse_numel=5000)
+    model, optimizer = make_run(state)
+    train(model, optimizer, range(3))
+    saved = io.BytesIO()
+    torch.save({"hook": state.state_dict()}, saved)
+    shipped = [saved.getvalue()]
+    dist.broadcast_object_list(shipped, src=0)  # rank 0's checkpoint, on every rank
+    checkpoint = torch.load(io.BytesIO(shipped[0]), weights_only=True)
+    assert checkpoint["hook"]["rank"] == 0
+    resumed = SparseState(density=0.05, min_sparse_numel=5000)
+    resumed.load_state_dict(checkpoint["hook"])
+    buckets = checkpoint["hook"]["buckets"]
+    assert len(buckets) >= 2, "expected several sparse DDP buckets"
+    with pytest.warns(UserWarning, match="each takes"):
+        for index in sorted(buckets):
+            owed = buckets[index]["residual"]
+            assert owed.abs().sum() > 0
+            loaded = resumed.reducer(index, torch.zeros_like(owed)).residual.clone()
+            dist.all_reduce(loaded)  # summed over ranks
+            torch.testing.assert_close(loaded, owed, rtol=1e-6, atol=1e-7)
+
+
 def test_fp16_values_send_fewer_bytes_and_keep_every_entry():
     """fp16 values on the first sparse iteration: nearly the same entries as fp32 (the
     global selection ranks owner sums of rounded values, so an entry at the threshold
