@@ -31,11 +31,32 @@ from horovod_sparse.tensorflow.buckets import (
 from horovod_sparse.tensorflow.correction import AdamSettings, correct
 
 __all__ = [
+    "HOROVOD_ARGUMENTS",
     "AdamSettings",
     "GradientReducer",
     "describe_variables",
+    "horovod_arguments",
     "op_name",
 ]
+
+
+# Horovod's own arguments of the tape and the Keras optimizer, as GradientReducer takes
+# them (the same names in both signatures, as in hvd.DistributedGradientTape).
+HOROVOD_ARGUMENTS = (
+    "op",
+    "gradient_predivide_factor",
+    "compression",
+    "sparse_as_dense",
+    "process_set",
+    "groups",
+    "num_groups",
+)
+
+
+def horovod_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`HOROVOD_ARGUMENTS` of a front-end's call, from its arguments by name
+    (the constructor's ``locals()``)."""
+    return {name: arguments[name] for name in HOROVOD_ARGUMENTS}
 
 
 def op_name(op: Any) -> str:

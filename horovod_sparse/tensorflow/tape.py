@@ -10,7 +10,7 @@ import tensorflow as tf
 from horovod_sparse.common.config import SparseConfig, make_config
 from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.stats import StepStats
-from horovod_sparse.tensorflow.reducer import GradientReducer
+from horovod_sparse.tensorflow.reducer import GradientReducer, horovod_arguments
 from horovod_sparse.tensorflow.validation import check_variables, describe, validate_across_ranks
 
 __all__ = ["DistributedGradientTape", "gradient_reducer"]
@@ -90,15 +90,7 @@ class DistributedGradientTape(tf.GradientTape):
             refuse_unsupported(self._config, Frontend.TF_TAPE)
         except (TypeError, ValueError) as error:
             self._problem = error
-        self._options = dict(
-            op=op,
-            gradient_predivide_factor=gradient_predivide_factor,
-            compression=compression,
-            sparse_as_dense=sparse_as_dense,
-            process_set=process_set,
-            groups=groups,
-            num_groups=num_groups,
-        )
+        self._options = horovod_arguments(locals())
         self._name = name
         self._local_sources: set[int] = set()  # ids: Keras 3 variables have no ref()
         self._reducer: GradientReducer | None = None

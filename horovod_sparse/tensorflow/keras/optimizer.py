@@ -39,7 +39,12 @@ from horovod_sparse.common.correction import correction_family
 from horovod_sparse.common.engine import BucketView
 from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.stats import StepStats
-from horovod_sparse.tensorflow.reducer import AdamSettings, GradientReducer, op_name
+from horovod_sparse.tensorflow.reducer import (
+    AdamSettings,
+    GradientReducer,
+    horovod_arguments,
+    op_name,
+)
 from horovod_sparse.tensorflow.validation import check_variables, describe, validate_across_ranks
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
@@ -109,15 +114,7 @@ class SparseOptimizerMixin(_OptimizerBase):
                 problem = error
         self._sparse_problem = problem
         self.sparse_config = config
-        self._sparse_options = dict(
-            op=op,
-            gradient_predivide_factor=gradient_predivide_factor,
-            compression=compression,
-            sparse_as_dense=sparse_as_dense,
-            process_set=process_set,
-            groups=groups,
-            num_groups=num_groups,
-        )
+        self._sparse_options = horovod_arguments(locals())
         # Keras averages accumulated gradients; Horovod sums them unless asked to average.
         self._aggregation_scale = (
             1.0
