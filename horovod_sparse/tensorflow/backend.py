@@ -161,7 +161,10 @@ class TFBackend(HorovodPrimitives):
         return tensor * tf.cast(factor, tensor.dtype)
 
     def to_host_number(self, scalar: Any) -> float:
-        return scalar.numpy().item() if tf.is_tensor(scalar) else scalar
+        if not tf.is_tensor(scalar):
+            return scalar
+        _eager_only("to_host_number")
+        return scalar.numpy().item()
 
     def sum_except(self, counts: tf.Tensor, rank: int) -> tf.Tensor:
         counts = tf.cast(counts, tf.int64)
@@ -202,6 +205,7 @@ class TFBackend(HorovodPrimitives):
         return tf.math.unsorted_segment_sum(tf.ones_like(which, tf.int32), which, bins)
 
     def to_host_list(self, tensor: tf.Tensor) -> list:
+        _eager_only("to_host_list")
         return tensor.numpy().tolist()
 
     def take(self, values: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
@@ -365,3 +369,9 @@ class TFBackend(HorovodPrimitives):
 
 
 BACKEND = TFBackend()  # stateless: one instance serves every bucket
+
+
+def _eager_only(what: str) -> None:
+    """A host read (``.numpy()``) is for eager code only: statistics, checkpoints."""
+    if not tf.executing_eagerly():
+        raise RuntimeError(f"{what} reads the host: call it eagerly, not in a tf.function")

@@ -11,6 +11,7 @@ from horovod_sparse.common.config import SparseConfig, make_config
 from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.stats import StepStats
 from horovod_sparse.tensorflow.reducer import GradientReducer, horovod_arguments
+from horovod_sparse.tensorflow.routing import gather_slices, is_slices, scale_local, source_keys
 from horovod_sparse.tensorflow.validation import check_variables, describe, validate_across_ranks
 
 __all__ = ["DistributedGradientTape", "gradient_reducer"]
@@ -43,7 +44,11 @@ class DistributedGradientTape(tf.GradientTape):
     ``min_sparse_numel``, ``selection``, ``partition``, ``fusion_threshold_bytes``,
     ``reestimate_steps``, ``repartition_steps``, ``warmup_steps``,
     ``density_decay_steps``, ``dense_fusion_bytes``, ``error_feedback``,
-    ``global_selection``, ``refresh_steps``, ``log_every``). Residuals are
+    ``global_selection``, ``refresh_steps``, ``log_every``). As under Horovod, a rank
+    outside ``process_set`` gets its gradients back unreduced, local sources
+    (:meth:`register_local_source`) are not reduced, and ``IndexedSlices`` gradients are
+    allgathered unless ``sparse_as_dense`` (:mod:`horovod_sparse.tensorflow.routing`).
+    Residuals are
     ``tf.Variable``s that persist across tapes, keyed by ``name`` and the list of
     sources; :meth:`residual_variables` returns them for a checkpoint.
 
@@ -69,6 +74,7 @@ class DistributedGradientTape(tf.GradientTape):
         num_groups: int = 0,
         groups: Any = None,
         process_set: Any = hvd.global_process_set,
+        scale_local_gradients: bool = True,
         *,
         name: str = "tape",
         **options: Any,
@@ -92,12 +98,15 @@ class DistributedGradientTape(tf.GradientTape):
             self._problem = error
         self._options = horovod_arguments(locals())
         self._name = name
+        self._scale_local = bool(scale_local_gradients)
         self._local_sources: set[int] = set()  # ids: Keras 3 variables have no ref()
         self._reducer: GradientReducer | None = None
 
-    def register_local_source(self, source: tf.Variable) -> None:
-        """Keep ``source``'s gradient local: it is returned without any reduction."""
-        self._local_sources.add(id(source))
+    def register_local_source(self, source: Any) -> None:
+        """Keep ``source``'s gradient local, as Horovod does: it takes no part in any
+        collective or bucket, and is divided by the process set's size unless the tape
+        was made with ``scale_local_gradients=False``."""
+        self._local_sources |= source_keys(source)
 
     def gradient(
         self,
@@ -109,13 +118,38 @@ class DistributedGradientTape(tf.GradientTape):
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
-        shared = [i for i, s in enumerate(flat_sources) if id(s) not in self._local_sources]
-        reducer = self._reducer_for([flat_sources[i] for i in shared])
-        reduced = reducer.reduce([flat_grads[i] for i in shared], [flat_sources[i] for i in shared])
         out = list(flat_grads)
-        for i, g in zip(shared, reduced):
+        process_set = self._options["process_set"]
+        local = [i for i, s in enumerate(flat_sources) if id(s) in self._local_sources]
+        # Outside the process set every gradient comes back as computed (routing.py).
+        if process_set.included():
+            self._reduce_shared(flat_sources, flat_grads, set(local), out)
+        scaled = scale_local([out[i] for i in local], process_set.size(), self._scale_local)
+        for i, g in zip(local, scaled):
             out[i] = g
         return tf.nest.pack_sequence_as(grads, out) if tf.nest.is_nested(grads) else out[0]
+
+    def _reduce_shared(
+        self, sources: list[Any], grads: list[Any], local: set[int], out: list[Any]
+    ) -> None:
+        """Into ``out``: the buckets' results, and the allgathered IndexedSlices."""
+        dense_as = self._options["sparse_as_dense"]
+        shared = [i for i in range(len(sources)) if i not in local]
+        slices = [i for i in shared if is_slices(grads[i], dense_as)]
+        bucketed = [i for i in shared if not is_slices(grads[i], dense_as)]
+        if bucketed:
+            reducer = self._reducer_for([sources[i] for i in bucketed])
+            reduced = reducer.reduce([grads[i] for i in bucketed], [sources[i] for i in bucketed])
+            for i, g in zip(bucketed, reduced):
+                out[i] = g
+        for i in slices:
+            out[i] = gather_slices(
+                grads[i],
+                self._options["op"],
+                self._options["gradient_predivide_factor"],
+                self._options["process_set"],
+                f"hvds.{self._name}.slices.{i}",
+            )
 
     def _reducer_for(self, sources: list[Any]) -> GradientReducer:
         """The reducer for this name and list of sources; built and validated once.
@@ -134,8 +168,6 @@ class DistributedGradientTape(tf.GradientTape):
         process_set = self._options["process_set"]
         key = (self._name, signature, self._config, id(process_set))
         if key not in _REDUCERS:
-            if not process_set.included():
-                raise ValueError("this rank is not in the tape's process_set")
             problem = self._problem
             reducer = None
             what = f"DistributedGradientTape {self._name!r}"

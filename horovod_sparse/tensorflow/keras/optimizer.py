@@ -36,15 +36,16 @@ import tensorflow as tf
 from horovod_sparse.common.classes import combined_class
 from horovod_sparse.common.config import SparseConfig, make_config, optimizer_scales, take_options
 from horovod_sparse.common.correction import correction_family
-from horovod_sparse.common.engine import BucketView
 from horovod_sparse.common.options import Frontend, refuse_unsupported
-from horovod_sparse.common.stats import StepStats
+from horovod_sparse.tensorflow.keras.state import SparseStateAccess
+from horovod_sparse.tensorflow.keras.update import exchange_update
 from horovod_sparse.tensorflow.reducer import (
     AdamSettings,
     GradientReducer,
     horovod_arguments,
     op_name,
 )
+from horovod_sparse.tensorflow.routing import source_keys
 from horovod_sparse.tensorflow.validation import check_variables, describe, validate_across_ranks
 
 __all__ = ["DistributedOptimizer", "SparseOptimizerMixin"]
@@ -58,7 +59,7 @@ else:
     _OptimizerBase = object
 
 
-class SparseOptimizerMixin(_OptimizerBase):
+class SparseOptimizerMixin(SparseStateAccess, _OptimizerBase):
     """Put in front of a Keras 3 optimizer class to reduce gradients sparsely.
 
     Takes the sparse keywords of :func:`DistributedOptimizer` next to the optimizer's own.
@@ -81,6 +82,7 @@ class SparseOptimizerMixin(_OptimizerBase):
         num_groups: int = 0,
         groups: Any = None,
         process_set: Any = hvd.global_process_set,
+        scale_local_gradients: bool = True,
         **kwargs: Any,
     ) -> None:
         # The sparse options (SparseConfig's fields) are taken out of the keywords; the
@@ -126,8 +128,24 @@ class SparseOptimizerMixin(_OptimizerBase):
             sparse_as_dense=sparse_as_dense,
             gradient_predivide_factor=gradient_predivide_factor,
             average_aggregated_gradients=average_aggregated_gradients,
+            scale_local_gradients=scale_local_gradients,
         )
         self._gradient_reducer: GradientReducer | None = None
+        self._scale_local = bool(scale_local_gradients)
+        self._local_vars: set[int] = set()  # ids (routing.source_keys)
+        self._local_indices: set[int] = set()  # positions in the build order
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient local, as Horovod does: it takes no part in any
+        collective or bucket, and is divided by the process set's size unless the
+        optimizer was made with ``scale_local_gradients=False``. Register before the
+        optimizer is built (its first step): the buckets are planned then."""
+        if self.built:
+            raise ValueError(
+                "register_local_var() after the optimizer is built: its buckets are "
+                "planned; register local variables before the first step"
+            )
+        self._local_vars |= source_keys(var)
 
     def _take_correction(self, requested: bool | None, config: SparseConfig) -> None:
         """Resolve ``momentum_correction`` (:func:`~horovod_sparse.common.correction.
@@ -180,8 +198,11 @@ class SparseOptimizerMixin(_OptimizerBase):
         """
         variables = list(variables)
         process_set = self._sparse_options["process_set"]
+        self._local_indices = {i for i, v in enumerate(variables) if id(v) in self._local_vars}
         if not process_set.included():
-            raise ValueError("this rank is not in the optimizer's process_set")
+            # Horovod's identity outside the process set: no collective, no buckets.
+            super().build(variables)
+            return
         problem = self._sparse_problem
         if problem is None:
             try:
@@ -196,6 +217,9 @@ class SparseOptimizerMixin(_OptimizerBase):
                 problem = error
         validate_across_ranks(describe(variables), problem, process_set, "the optimizer")
         super().build(variables)
+        shared = [v for i, v in enumerate(variables) if i not in self._local_indices]
+        if not shared:
+            return  # every variable is local
 
         def make_variable(kind: str, numel: int, dtype: tf.DType, name: str) -> Any:
             # Optimizer variables: saved and restored with the model's checkpoint.
@@ -213,7 +237,7 @@ class SparseOptimizerMixin(_OptimizerBase):
 
         assert self.sparse_config is not None  # else validation raised above
         self._gradient_reducer = GradientReducer(
-            variables,
+            shared,
             self.sparse_config,
             name=f"hvds.keras.{self.name}",
             make_variable=make_variable,
@@ -231,23 +255,27 @@ class SparseOptimizerMixin(_OptimizerBase):
     def _backend_update_step(
         self, grads: list[Any], trainable_variables: list[Any], learning_rate: Any
     ) -> None:
-        reducer = self._gradient_reducer
-        assert reducer is not None, "optimizer used before build()"
-        # Keras may have dropped variables without gradients: reduce the full list in
-        # the build order, zeros where a gradient is missing, so every rank matches.
+        # Keras may have dropped variables without gradients: the buckets take the full
+        # list in the build order, zeros where a gradient is missing, so ranks match.
         by_index = {self._get_variable_index(v): g for g, v in zip(grads, trainable_variables)}
-        full = [by_index.get(i) for i in range(len(self._trainable_variables))]
         if self._aggregation_scale != 1.0:
-            full = [None if g is None else g * self._aggregation_scale for g in full]
-        reduced = reducer.reduce(full, self._trainable_variables)
+            by_index = {i: g * self._aggregation_scale for i, g in by_index.items()}
+        reduced, corrected = exchange_update(
+            by_index,
+            self._trainable_variables,
+            self._gradient_reducer,
+            self._local_indices,
+            self._sparse_options,
+            self._scale_local,
+            f"hvds.keras.{self.name}",
+        )
         grads = [reduced[self._get_variable_index(v)] for v in trainable_variables]
         grads = super()._clip_gradients(grads)
         if self._adam_correction is None:
             super()._backend_update_step(grads, trainable_variables, learning_rate)
             return
         # Adam's correction: the reduced direction of a sparse bucket's variable is the
-        # step (-lr times it); dense buckets' variables take Adam's own update.
-        corrected = reducer.corrected_positions
+        # step (-lr times it); other variables take Adam's own update.
         native = [
             (g, v)
             for g, v in zip(grads, trainable_variables)
@@ -261,58 +289,9 @@ class SparseOptimizerMixin(_OptimizerBase):
                 [g for g, _ in native], [v for _, v in native], learning_rate
             )
 
-    @property
-    def fused_dense_runs(self) -> list[list[str]]:
-        """Bucket names that share one allreduce on a step where they are all dense
-        (empty before the first step)."""
-        reducer = self._gradient_reducer
-        return reducer.fused_dense_runs if reducer is not None else []
-
-    def stats(self) -> StepStats:
-        """Statistics of the last update step (call eagerly)."""
-        if self._gradient_reducer is None:
-            raise RuntimeError("the optimizer has not been built yet")
-        return self._gradient_reducer.stats()
-
-    def residual_variables(self) -> dict[str, Any]:
-        """Residual variable per sparse bucket (also part of ``optimizer.variables``)."""
-        if self._gradient_reducer is None:
-            raise RuntimeError("the optimizer has not been built yet")
-        return self._gradient_reducer.residuals()
-
-    def moment_variables(self) -> dict[str, tuple[Any, Any]]:
-        """This rank's Adam-correction ``(exp_avg, exp_avg_sq)`` per sparse bucket (also
-        part of ``optimizer.variables``); empty unless Adam's correction is on."""
-        if self._gradient_reducer is None:
-            raise RuntimeError("the optimizer has not been built yet")
-        return self._gradient_reducer.moments()
-
-    def state_variables(self) -> dict[str, Any]:
-        """Every sparse-state variable a resumed run needs, by ``"{kind}_{bucket}"``
-        (residuals, velocities, moments, and each sparse bucket's step count, boundaries,
-        selection and reused global threshold state); all part of
-        ``optimizer.variables``, so saved with the optimizer's checkpoint."""
-        if self._gradient_reducer is None:
-            raise RuntimeError("the optimizer has not been built yet")
-        return self._gradient_reducer.state_variables()
-
-    def bucket_views(self) -> list[BucketView]:
-        """A read-only snapshot of every bucket (step count, boundaries, ...), in plan
-        order (call eagerly)."""
-        if self._gradient_reducer is None:
-            raise RuntimeError("the optimizer has not been built yet")
-        return self._gradient_reducer.bucket_views()
-
-    def velocity_variables(self) -> dict[str, Any]:
-        """This rank's momentum-correction velocity per bucket (also part of
-        ``optimizer.variables``); empty unless the correction is on."""
-        if self._gradient_reducer is None:
-            raise RuntimeError("the optimizer has not been built yet")
-        return self._gradient_reducer.velocities()
-
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
-        if self.momentum_correction:  # the user's SGD settings, not the plain SGD stepped
+        if self._corrected_momentum > 0.0:  # the user's SGD settings, not the SGD stepped
             config.update(momentum=self._corrected_momentum, nesterov=self._corrected_nesterov)
         config.update(self._sparse_kwargs)
         return config
@@ -338,9 +317,13 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     """Wrap a Keras 3 optimizer so every update uses sparse allreduce.
 
     Accepts the arguments of Horovod's Keras ``DistributedOptimizer``
-    (``device_dense``, ``device_sparse`` and ``scale_local_gradients`` are accepted for
-    compatibility and have no effect). Wrap before the first step: the new optimizer is
-    built from ``optimizer.get_config()``, so slot variables start fresh.
+    (``device_dense`` and ``device_sparse`` are accepted for compatibility and have no
+    effect) with Horovod's meaning: a rank outside ``process_set`` steps with its own
+    gradients, :meth:`~SparseOptimizerMixin.register_local_var` and
+    ``scale_local_gradients`` as Horovod's, ``IndexedSlices`` allgathered unless
+    ``sparse_as_dense`` (:mod:`horovod_sparse.tensorflow.routing`). Wrap before the
+    first step: the new optimizer is built from ``optimizer.get_config()``, so slot
+    variables start fresh.
 
     Sparse options: those of :class:`~horovod_sparse.common.config.SparseConfig` that
     the Keras optimizer acts on: ``density`` (fraction of entries exchanged per bucket),
@@ -389,4 +372,5 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
         num_groups=num_groups,
         groups=groups,
         process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
     )
