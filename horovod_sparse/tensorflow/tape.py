@@ -137,7 +137,7 @@ class DistributedGradientTape(tf.GradientTape):
         shared = [i for i in range(len(sources)) if i not in local]
         slices = [i for i in shared if is_slices(grads[i], dense_as)]
         bucketed = [i for i in shared if not is_slices(grads[i], dense_as)]
-        if bucketed:
+        if bucketed or not sources:  # no sources at all: validation says so, on every rank
             reducer = self._reducer_for([sources[i] for i in bucketed])
             reduced = reducer.reduce([grads[i] for i in bucketed], [sources[i] for i in bucketed])
             for i, g in zip(bucketed, reduced):
