@@ -56,8 +56,9 @@ class AllAtOnce:
         return results
 
     def alone(self, index: int) -> Tensor:
-        """A bucket whose kind is a graph value: one cond on its dense flag."""
-
+        """A bucket whose kind is a graph value: one cond on its dense flag. Each branch
+        starts from the bucket's state before the cond (a branch's trace changes the
+        Python-side tensors; what lives in variables each branch reads afresh)."""
         reducer = _as_sparse(self.engine.reducers[index])
         before = reducer.tensors()
 
