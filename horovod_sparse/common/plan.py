@@ -73,9 +73,6 @@ class StepPlan:
     fused_runs: list[list[int]] = field(default_factory=list)
     runs_fuse: Any = True
 
-    def fused(self, index: int) -> bool:
-        return any(index in run for run in self.fused_runs)
-
 
 def plan_step(
     ops: Backend,
