@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from horovod_sparse.common.config import budget
@@ -134,6 +135,10 @@ class HorovodPrimitives(HostCounts):
 
     no_compression: Any = None
 
+    def local_work(self) -> AbstractContextManager[None]:
+        """No thread sizing: the framework's own (see :meth:`Backend.local_work`)."""
+        return nullcontext()
+
     def rank(self, process_set: Any) -> int:
         return int(process_set.rank())
 
@@ -173,6 +178,11 @@ class Backend(Protocol):
     # ---- process set
     def rank(self, process_set: Any) -> int: ...
     def size(self, process_set: Any) -> int: ...
+
+    def local_work(self) -> AbstractContextManager[None]:
+        """The context the plugin's own kernels run in: under PyTorch on the CPU, at
+        most the cores of this host divided by its ranks (ranks that share cores would
+        otherwise each start every core's threads on small kernels)."""
 
     # ---- state and control flow
     def cell(self, initial: Any, like: Tensor | None = None) -> Cell:

@@ -25,6 +25,7 @@ from horovod_sparse.common.engine_state import BucketView, EngineState, SharedSt
 from horovod_sparse.common.fusion import DenseFusion
 from horovod_sparse.common.handle import BucketHandle
 from horovod_sparse.common.inflight import OwnedSums, ScatterInFlight
+from horovod_sparse.common.local_work import on_local_threads
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.plan import Reducer, StepPlan, plan_step, refresh_together
 from horovod_sparse.common.scheduler import AutoScheduler
@@ -131,6 +132,7 @@ class Engine(EngineState):
         else they are added to the residual (:meth:`accumulate`)."""
         return self._planned().in_buffer[index]
 
+    @on_local_threads
     def accumulate(self, index: int, grad: Tensor, offset: int) -> None:
         """Error feedback of one tensor, straight into the residual: no buffer copy."""
         _as_sparse(self.reducers[index]).accumulate(grad, offset, self.prescale)
@@ -142,6 +144,7 @@ class Engine(EngineState):
         if self._waiting[index] == 0:
             self.launch(index, self.buffers[index])
 
+    @on_local_threads
     def launch(
         self,
         index: int,
@@ -205,6 +208,7 @@ class Engine(EngineState):
                 name = self.names[index]
                 self.trace.launched(name, name, "allreduce (fused)", now)
 
+    @on_local_threads
     def launch_gathers(
         self, forward_order: bool = False, indices: Sequence[int] | None = None
     ) -> list[tuple[int, BucketHandle]]:
@@ -276,6 +280,7 @@ class Engine(EngineState):
         return result
 
     # ------------------------------------------------------------------ all at once
+    @on_local_threads
     def reduce_all(self, flats: Sequence[Tensor], finished: Finished | None = None) -> list[Tensor]:
         """The whole step when every bucket's gradients are in at once: each bucket's
         result, flat, in plan order. ``finished(index, result)`` runs as each bucket's

@@ -19,6 +19,7 @@ from typing import Any
 from horovod_sparse.common.backend import Backend, Tensor
 from horovod_sparse.common.fusion import FusedPart
 from horovod_sparse.common.inflight import GatherInFlight, OwnedSums, ScatterInFlight
+from horovod_sparse.common.local_work import on_local_threads
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.plan import Reducer
 
@@ -66,6 +67,7 @@ class BucketHandle:
         """Whether the collective in flight has finished; never blocks."""
         return self.ops.poll(self.collective)
 
+    @on_local_threads
     def advance(self, received: tuple[OwnedSums, Tensor | None] | None = None) -> None:
         """Finish the reduce-scatter and launch the all-gather (a no-op once done).
 
@@ -81,6 +83,7 @@ class BucketHandle:
                 assert isinstance(reducer, BucketReducer), "only a sparse step scatters"
                 self.stage = reducer.gather(owned, exact_key)
 
+    @on_local_threads
     def wait(self) -> Tensor:
         """Block until the result is there and return it, flat (written into ``out``
         when given)."""

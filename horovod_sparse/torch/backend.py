@@ -18,8 +18,14 @@ import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 
 from horovod_sparse.torch.kernels import TorchKernels  # noqa: E402
+from horovod_sparse.torch.threads import LocalThreads, local_ranks_from_environment  # noqa: E402
 
 __all__ = ["TorchBackend"]
+
+
+def _local_ranks() -> int:
+    """Horovod's ranks on this host; the launcher's figure before ``hvd.init()``."""
+    return hvd.local_size() if hvd.is_initialized() else local_ranks_from_environment()
 
 
 @dataclass
@@ -34,6 +40,7 @@ class TorchBackend(TorchKernels):
     """Stateless; one shared instance serves every bucket."""
 
     no_compression = hvd.Compression.none
+    local_threads = LocalThreads(_local_ranks)
 
     # ---- collectives
     def alltoall_async(

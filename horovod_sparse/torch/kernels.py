@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 import torch
 
 from horovod_sparse.common.backend import HorovodPrimitives, HostCell
+from horovod_sparse.torch.threads import LocalThreads, local_ranks_from_environment
 
 __all__ = ["TorchKernels"]
 
@@ -76,6 +78,11 @@ class TorchKernels(HorovodPrimitives):
     """The tensor kernels, without collectives. Stateless."""
 
     in_place = True  # torch's kernels write into their first argument
+    # Ranks on this host by the launcher's environment; Horovod's backend asks Horovod.
+    local_threads = LocalThreads(local_ranks_from_environment)
+
+    def local_work(self) -> AbstractContextManager[None]:
+        return self.local_threads.scope()
 
     # ---- state and control flow: a step runs its Python every time, so host values do
     def cell(self, initial: Any, like: torch.Tensor | None = None) -> HostCell:

@@ -1,0 +1,90 @@
+"""The plugin's CPU thread count (horovod_sparse/torch/threads.py): lowered to the
+cores per local rank while its kernels run, restored after, never raised."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from horovod_sparse.torch import threads as threads_module  # noqa: E402
+from horovod_sparse.torch.threads import LocalThreads, local_ranks_from_environment  # noqa: E402
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_scope_lowers_to_cores_per_local_rank_and_restores(monkeypatch, two_threads):
+    monkeypatch.setattr(threads_module, "cores_available", lambda: 2)
+    budget = LocalThreads(lambda: 2)
+    assert budget.threads == 1
+    with budget.scope():
+        assert torch.get_num_threads() == 1
+        with budget.scope():  # nested: stays lowered, restores nothing early
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
+
+
+def test_scope_never_raises_a_lower_setting(monkeypatch, two_threads):
+    monkeypatch.setattr(threads_module, "cores_available", lambda: 16)
+    budget = LocalThreads(lambda: 1)
+    assert budget.threads == 16
+    with budget.scope():
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 2
+
+
+def test_scope_restores_after_an_error(monkeypatch, two_threads):
+    monkeypatch.setattr(threads_module, "cores_available", lambda: 4)
+    budget = LocalThreads(lambda: 4)
+    with pytest.raises(RuntimeError), budget.scope():
+        assert torch.get_num_threads() == 1
+        raise RuntimeError("a kernel failed")
+    assert torch.get_num_threads() == 2
+
+
+def test_local_ranks_from_the_launchers_environment(monkeypatch):
+    for variable in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+    assert local_ranks_from_environment() == 1
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "3")
+    assert local_ranks_from_environment() == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's, read first
+    assert local_ranks_from_environment() == 4
+
+
+def test_every_selection_and_owner_kernel_of_a_step_runs_at_the_lowered_count(
+    monkeypatch, two_threads
+):
+    """An engine step (two sparse buckets, one dense): the kernels of the selection,
+    the owner reduction and the result run at 1 thread; the caller's 2 come back."""
+    import numpy as np
+
+    from horovod_sparse.common.config import SparseConfig
+    from horovod_sparse.torch.kernels import TorchKernels
+    from tests.unit.test_engine import make_engine, run_step
+
+    seen: dict[str, list[int]] = {}
+    for name in ("topk_indices", "indices_at_least", "unique_inverse", "scatter_into"):
+        real = getattr(TorchKernels, name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            seen.setdefault(_name, []).append(torch.get_num_threads())
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(TorchKernels, name, spy)
+    monkeypatch.setattr(threads_module, "cores_available", lambda: 2)
+    engine, ops, to, _ = make_engine(SparseConfig(density=0.05, selection="threshold"))
+    monkeypatch.setattr(type(ops), "local_threads", LocalThreads(lambda: 2))
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        run_step(engine, ops, to, rng)
+        assert torch.get_num_threads() == 2
+    assert set(seen) >= {"indices_at_least", "unique_inverse", "scatter_into"}
+    assert all(count == 1 for counts in seen.values() for count in counts), seen
