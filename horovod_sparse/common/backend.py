@@ -347,8 +347,10 @@ class Backend(Protocol):
     def larger_key(self, key: Tensor, other: Tensor) -> Tensor:
         """The larger of two magnitude-key scalars."""
 
-    def scale_key(self, key: Tensor, factor: float) -> Tensor:
-        """The key of ``factor`` times the magnitude ``key`` stands for."""
+    def extrapolate_key(self, lowest: Tensor, middle: Tensor, count: Any, k: Any) -> Tensor:
+        """The key below which about ``k`` rows lie, from ``count`` rows whose lowest key
+        is ``lowest`` and whose median is ``middle``: the count doubles every
+        ``middle - lowest`` keys down (keys step about evenly in log magnitude)."""
 
     def split_by_mask(self, mask: Tensor, *tensors: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """``([t[mask] ...], [t[~mask] ...])``."""

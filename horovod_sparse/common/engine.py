@@ -25,7 +25,6 @@ from horovod_sparse.common.engine_state import BucketView, EngineState, SharedSt
 from horovod_sparse.common.fusion import DenseFusion
 from horovod_sparse.common.handle import BucketHandle
 from horovod_sparse.common.inflight import OwnedSums, ScatterInFlight
-from horovod_sparse.common.local_work import on_local_threads
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.plan import Reducer, StepPlan, plan_step, refresh_together
 from horovod_sparse.common.scheduler import AutoScheduler
@@ -132,10 +131,10 @@ class Engine(EngineState):
         else they are added to the residual (:meth:`accumulate`)."""
         return self._planned().in_buffer[index]
 
-    @on_local_threads
     def accumulate(self, index: int, grad: Tensor, offset: int) -> None:
         """Error feedback of one tensor, straight into the residual: no buffer copy."""
-        _as_sparse(self.reducers[index]).accumulate(grad, offset, self.prescale)
+        with self.ops.local_work():  # every entry point: docs/design.md §12
+            _as_sparse(self.reducers[index]).accumulate(grad, offset, self.prescale)
 
     def arrived(self, index: int) -> None:
         """One more tensor of bucket ``index`` is in; the last one launches the
@@ -144,7 +143,6 @@ class Engine(EngineState):
         if self._waiting[index] == 0:
             self.launch(index, self.buffers[index])
 
-    @on_local_threads
     def launch(
         self,
         index: int,
@@ -159,6 +157,12 @@ class Engine(EngineState):
         or for a step run all at once the residual (or, for a dense bucket, the
         gradients); the result is written into it if ``result_in_buffer``. Returns
         the bucket's handle (None for a fused bucket whose run is not complete)."""
+        with self.ops.local_work():
+            return self._launch(index, buffer, kind, result_in_buffer)
+
+    def _launch(
+        self, index: int, buffer: Tensor, kind: StepKind | None, result_in_buffer: bool
+    ) -> BucketHandle | None:
         kind = kind if kind is not None else self._planned().kinds[index]
         assert kind is not None, "a graph-valued kind runs under reduce_all's cond"
         reducer = self.reducers[index]
@@ -208,7 +212,6 @@ class Engine(EngineState):
                 name = self.names[index]
                 self.trace.launched(name, name, "allreduce (fused)", now)
 
-    @on_local_threads
     def launch_gathers(
         self, forward_order: bool = False, indices: Sequence[int] | None = None
     ) -> list[tuple[int, BucketHandle]]:
@@ -220,6 +223,12 @@ class Engine(EngineState):
         all-gathers deferred to the next forward the first layers' results come first.
         ``indices``: the buckets of a part of the step (``reduce_all``); None: all.
         """
+        with self.ops.local_work():
+            return self._launch_gathers(forward_order, indices)
+
+    def _launch_gathers(
+        self, forward_order: bool, indices: Sequence[int] | None
+    ) -> list[tuple[int, BucketHandle]]:
         trace = self.trace
         ended = time.perf_counter()
         if trace is not None:
@@ -280,7 +289,6 @@ class Engine(EngineState):
         return result
 
     # ------------------------------------------------------------------ all at once
-    @on_local_threads
     def reduce_all(self, flats: Sequence[Tensor], finished: Finished | None = None) -> list[Tensor]:
         """The whole step when every bucket's gradients are in at once: each bucket's
         result, flat, in plan order. ``finished(index, result)`` runs as each bucket's
@@ -292,6 +300,10 @@ class Engine(EngineState):
         dense and sparse step; a fused run whose fusing is one, a ``Backend.cond``
         between the run's allreduce and its members' own steps.
         """
+        with self.ops.local_work():
+            return self._reduce_all(flats, finished)
+
+    def _reduce_all(self, flats: Sequence[Tensor], finished: Finished | None) -> list[Tensor]:
         plan = self.open_step(gradients_in_residual=True)
         step = AllAtOnce(self, flats, finished)
         graph_runs = [] if plan.runs_fuse is True else plan.fused_runs

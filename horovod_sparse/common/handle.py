@@ -19,7 +19,6 @@ from typing import Any
 from horovod_sparse.common.backend import Backend, Tensor
 from horovod_sparse.common.fusion import FusedPart
 from horovod_sparse.common.inflight import GatherInFlight, OwnedSums, ScatterInFlight
-from horovod_sparse.common.local_work import on_local_threads
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.plan import Reducer
 
@@ -67,13 +66,16 @@ class BucketHandle:
         """Whether the collective in flight has finished; never blocks."""
         return self.ops.poll(self.collective)
 
-    @on_local_threads
     def advance(self, received: tuple[OwnedSums, Tensor | None] | None = None) -> None:
         """Finish the reduce-scatter and launch the all-gather (a no-op once done).
 
         ``received``: the owner's sums and, when its radix select ran together with
         other buckets' (``plan.refresh_together``), the exact threshold key.
         """
+        with self.ops.local_work():  # docs/design.md §12
+            self._advance(received)
+
+    def _advance(self, received: tuple[OwnedSums, Tensor | None] | None) -> None:
         if isinstance(self.stage, ScatterInFlight):
             if received is None:
                 self.stage = self.reducer.reduce_and_gather(self.stage)
@@ -83,11 +85,11 @@ class BucketHandle:
                 assert isinstance(reducer, BucketReducer), "only a sparse step scatters"
                 self.stage = reducer.gather(owned, exact_key)
 
-    @on_local_threads
     def wait(self) -> Tensor:
         """Block until the result is there and return it, flat (written into ``out``
         when given)."""
-        self.advance()
-        stage = self.stage
-        assert isinstance(stage, GatherInFlight), "advanced above"
-        return self.reducer.finish(stage, self.like, self.postscale, out=self.out)
+        with self.ops.local_work():
+            self._advance(None)
+            stage = self.stage
+            assert isinstance(stage, GatherInFlight), "advanced above"
+            return self.reducer.finish(stage, self.like, self.postscale, out=self.out)

@@ -9,6 +9,7 @@ host.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -303,10 +304,12 @@ class TFBackend(HorovodPrimitives):
     def larger_key(self, key: tf.Tensor, other: tf.Tensor) -> tf.Tensor:
         return tf.maximum(key, tf.cast(other, key.dtype))
 
-    def scale_key(self, key: tf.Tensor, factor: Any) -> tf.Tensor:
-        # Keys are the bits of an fp32 magnitude: scale the float, take its bits again.
-        magnitude = tf.bitcast(key, tf.float32) * tf.cast(factor, tf.float32)
-        return tf.bitcast(magnitude, tf.int32)
+    def extrapolate_key(
+        self, lowest: tf.Tensor, middle: tf.Tensor, count: Any, k: Any
+    ) -> tf.Tensor:
+        ratio = tf.cast(k, tf.float64) / tf.cast(count, tf.float64)
+        below = tf.cast(middle - lowest, tf.float64) * (tf.math.log(ratio) / math.log(2.0))
+        return tf.cast(tf.round(tf.maximum(tf.cast(lowest, tf.float64) - below, 0.0)), tf.int32)
 
     def concat(self, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
         return tf.concat(list(tensors), axis=0)

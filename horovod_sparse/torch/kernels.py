@@ -19,6 +19,7 @@ A dense step has none. Horovod's own GPU-to-host staging is not counted here.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -300,9 +301,12 @@ class TorchKernels(HorovodPrimitives):
     def larger_key(self, key: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         return torch.maximum(key, other)
 
-    def scale_key(self, key: torch.Tensor, factor: float) -> torch.Tensor:
-        # Keys are the bits of an fp32 magnitude: scale the float, take its bits again.
-        return (key.view(torch.float32) * factor).view(torch.int32)
+    def extrapolate_key(
+        self, lowest: torch.Tensor, middle: torch.Tensor, count: int, k: int
+    ) -> torch.Tensor:
+        # Device arithmetic on the keys: no host read of either.
+        below = (middle - lowest).to(torch.float64) * math.log2(k / count)
+        return (lowest.to(torch.float64) - below).clamp_min(0).round().to(torch.int32)
 
     def concat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(tensors))

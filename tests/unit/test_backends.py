@@ -185,3 +185,24 @@ def test_fp16_values_clamp_to_fp16_range_and_the_excess_stays_behind():
     assert back.dtype == torch.float32
     torch.testing.assert_close(back + lost, values, rtol=0, atol=0)  # nothing dropped
     assert float(lost[0]) == 1e6 - 65504.0 and float(lost[2]) == 0.0
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.8, 0.95])
+def test_extrapolate_key_finds_the_kth_magnitude_below_the_rows_held(backend, fraction):
+    """The reused global threshold's correction when fewer than k rows came back: from
+    the top ``fraction * k`` magnitudes of a Gaussian sample, the key that keeps about
+    k. Scaling the magnitude by count / k instead (the count taken as proportional to
+    it) keeps several times k at 0.5."""
+    ops, to, back = backend
+    rng = np.random.default_rng(3)
+    magnitudes = np.sort(np.abs(rng.standard_normal(1 << 20)).astype(np.float32))[::-1]
+    k = 10_000
+    held = magnitudes[: int(fraction * k)].copy()
+    keys = ops.magnitude_keys(to(held))
+    count = held.size
+    key = ops.extrapolate_key(
+        ops.kth_largest(keys, count), ops.kth_largest(keys, count // 2), count, k
+    )
+    threshold = np.asarray(back(key)).astype(np.int32).view(np.float32)
+    kept = int((magnitudes >= threshold).sum())
+    assert 0.9 * k <= kept <= 1.1 * k, kept
