@@ -46,7 +46,8 @@ def worker(
     import torch
 
     hvd.init()
-    torch.set_num_threads(threads)
+    if threads:  # 0: set nothing, as horovodrun leaves it (torch takes every core)
+        torch.set_num_threads(threads)
     rows = []
     for numel in sizes:
         rows += measure_size(numel, densities, globals_, repeats)
@@ -196,7 +197,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--global-selection", default="exact,reuse")
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads per rank (local work only)"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per rank; 0 sets nothing (torch's default: every core)",
     )
     parser.add_argument("--out", default=str(ROOT / "results" / "allreduce"))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
