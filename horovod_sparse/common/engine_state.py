@@ -5,7 +5,7 @@ residual policy (docs/design.md §6), and elastic world-size changes."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,7 @@ from horovod_sparse.common.plan import Reducer
 from horovod_sparse.common.scheduler import AutoScheduler, TrialOutcome
 from horovod_sparse.common.step import StepKind
 
-__all__ = ["BucketView", "EngineState", "SharedState", "residual_share", "residual_share_among"]
+__all__ = ["BucketView", "EngineState", "SharedState", "residual_share_among"]
 
 # Per sparse bucket: step, boundaries, the scheduler's choice, the reused global
 # threshold's state (None with global_selection="exact").
@@ -42,46 +42,27 @@ class BucketView:
     last_kind: StepKind | None
 
 
-def residual_share(saved: dict[str, Any], rank: int, world_size: int, owner: str) -> float:
-    """The checkpoint policy of docs/design.md §6: the factor each rank applies to the
-    residuals of a checkpoint made by :meth:`EngineState.checkpoint` (or any state
-    that records ``rank``, ``world_size`` and ``owner``).
-
-    Saved by this process (``owner``: elastic commit and restore) or by the same rank at
-    the same world size: 1, restored as saved. Otherwise each rank takes
-    ``1 / world_size`` of the saved residual, so its mass counts once when every rank
-    loads the same checkpoint, and a warning says that the other ranks' residuals at
-    save time are not in it.
-    """
-    exact = saved.get("owner") == owner or (
-        saved.get("rank") == rank and saved.get("world_size") == world_size
-    )
-    if exact:
-        return 1.0
-    warnings.warn(
-        f"checkpoint residuals come from rank {saved.get('rank')} of "
-        f"{saved.get('world_size')}; this is rank {rank} of {world_size}: each rank "
-        f"takes 1/{world_size} of the saved residual, so its mass counts once when "
-        "every rank loads this checkpoint; the other ranks' residuals at save time "
-        "are not in it",
-        stacklevel=3,
-    )
-    return 1.0 / world_size
-
-
 def residual_share_among(
-    saved_by: tuple[int, str] | None, loaded: Sequence[tuple[int, str] | None]
+    saved_by: tuple[int, str] | None,
+    loaded: Sequence[tuple[int, str] | None],
+    holders: Collection[str] = (),
 ) -> float:
     """The checkpoint policy where every rank's load is known (a collective after the
     load, as the DDP hook runs in its first step): each rank takes ``1 / m`` of the
     residual it loaded, m being the number of ranks that loaded the residual saved by
     the same rank of the same process (``saved_by``: its rank and owner token; None:
-    nothing loaded). Per-rank checkpoints restore exactly (m = 1); one checkpoint
+    nothing loaded), unless the process that saved it is among the ranks and still
+    holds it (its owner token in ``holders``), when the copies take none of it.
+    Per-rank checkpoints restore exactly (m = 1); one checkpoint
     loaded by every rank counts its mass once, with a warning that the other ranks'
     residuals at save time are not in it.
     """
     if saved_by is None:
         return 1.0
+    if saved_by[1] in holders:
+        # The process that saved it still holds that residual (Horovod's pattern of
+        # loading rank 0's state on the other ranks only): the copies owe nothing.
+        return 0.0
     loaders = sum(1 for other in loaded if other == saved_by)
     if loaders > 1:
         warnings.warn(
@@ -95,6 +76,12 @@ def residual_share_among(
 
 class EngineState:
     """The across-steps half of :class:`~horovod_sparse.common.engine.Engine`."""
+
+    # Whose residuals this engine loaded from another process (rank, owner token), not
+    # yet shared out; and whether every rank has agreed on its share since the engine
+    # was made or last loaded (docs/design.md §6).
+    loaded_by: tuple[int, str] | None = None
+    loads_settled: bool = False
 
     ops: Backend
     names: list[str]
@@ -260,9 +247,28 @@ class EngineState:
             },
         }
 
-    def restore(self, saved: dict[str, Any], rank: int, world_size: int, owner: str) -> None:
-        """Restore :meth:`checkpoint` by the residual policy (:func:`residual_share`)."""
-        self.load_state_dict(saved["buckets"], residual_share(saved, rank, world_size, owner))
+    def restore(self, saved: dict[str, Any], owner: str) -> None:
+        """Restore :meth:`checkpoint`. Saved by this process (``owner``: elastic commit
+        and restore): exactly. Otherwise the residuals load as saved and the share this
+        rank keeps waits for :meth:`settle_loaded`, once every rank has said whose
+        residuals it loaded (:attr:`loaded_by`): a checkpoint saved by one rank and
+        loaded by all must count its mass once, per-rank checkpoints restore exactly."""
+        self.load_state_dict(saved["buckets"])
+        if saved.get("owner") != owner:
+            self.loaded_by = (int(saved["rank"]), str(saved["owner"]))
+            self.loads_settled = False
+
+    def settle_loaded(
+        self, loaded: Sequence[tuple[int, str] | None], holders: Collection[str] = ()
+    ) -> None:
+        """Keep this rank's share of what it loaded (:func:`residual_share_among`), given
+        every rank's :attr:`loaded_by` and the owner tokens of the ranks that loaded
+        nothing from another process (``holders``); nothing is pending afterwards."""
+        share = residual_share_among(self.loaded_by, loaded, holders)
+        for reducer in self.sparse:
+            reducer.keep_share(share)
+        self.loaded_by = None
+        self.loads_settled = True
 
     def follow_world_size(self, make_reducer: Callable[[int], Reducer]) -> None:
         """Rebuild every reducer for a new process-set size (elastic Horovod).

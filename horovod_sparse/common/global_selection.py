@@ -113,7 +113,7 @@ class ReusedGlobalThreshold:
     added device read.
     """
 
-    def __init__(self, refresh_steps: int, band: tuple[float, float] = (0.8, 1.25)) -> None:
+    def __init__(self, refresh_steps: int, band: tuple[float, float] = (0.9, 1.25)) -> None:
         self.refresh_steps = refresh_steps
         self.band = band
         # (key, due, age, k, cap), made at the first call, when the backend and a key

@@ -227,7 +227,7 @@ class SparseBucket:
 
     def load_state_dict(self, state: dict[str, Any], share: float = 1.0) -> None:
         """Restore :meth:`state_dict`, the residual multiplied by ``share`` (the
-        checkpoint policy, common/checkpoint.py).
+        checkpoint policy of docs/design.md §6).
 
         Boundaries and a reused global threshold are restored only when the world size
         is the same (otherwise the partitioner starts again from its initial cut, and
@@ -242,6 +242,12 @@ class SparseBucket:
         self.residual = self.ops.add_scaled_(
             self.ops.scale(self.residual, 0.0), state["residual"], share
         )
+
+    def keep_share(self, share: float) -> None:
+        """Keep ``share`` of the residual (a loaded residual that several ranks loaded:
+        the checkpoint policy of docs/design.md §6)."""
+        if share != 1.0:
+            self.residual = self.ops.scale(self.residual, share)
 
     def take_shared(self, step: int, boundaries: Any, threshold: dict[str, Any] | None) -> None:
         """Take what every rank must agree on from another rank: the step count and, when

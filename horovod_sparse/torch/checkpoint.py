@@ -90,13 +90,17 @@ class OptimizerCheckpoint(_OptimizerBase):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`. Residuals and velocities follow this policy:
 
-        - written by this optimizer (elastic ``commit``/``restore``), or by the same rank
-          at the same world size (one checkpoint per rank): restored as saved;
-        - written by another rank or at another world size: the saved residual is
-          divided by this world size, so when every rank loads the same checkpoint its
-          owed mass is counted exactly once; the velocity is loaded as saved. A
-          warning says so, since the residuals the other ranks held at save time are
-          not in this checkpoint. Owner regions are cut again for the new size.
+        - written by this optimizer (elastic ``commit``/``restore``): restored as saved;
+        - otherwise loaded as saved, and at the next step every rank says whose
+          residuals it loaded (one ``allgather_object``): m ranks that loaded what the
+          same rank saved each keep 1/m of it, so one checkpoint saved by rank 0 and
+          loaded by every rank counts its mass once (with a warning: the other ranks'
+          residuals at save time are not in it), and one checkpoint per rank restores
+          exactly, at any world size. The velocity is loaded as saved. Owner regions
+          are cut again for a new world size.
+
+        Load on every rank of the process set, or on some ranks before the first
+        step: the agreement is a collective of the step after a load.
         """
         state_dict = dict(state_dict)
         sparse_state = state_dict.pop(_STATE_KEY, None)
@@ -114,6 +118,17 @@ class OptimizerCheckpoint(_OptimizerBase):
             self._deferred.discard()
         self._begin_step()
         if sparse_state is not None:
-            rank, size = self.process_set.rank(), self.process_set.size()
-            self.engine.restore(sparse_state, rank, size, self._owner_token)
+            self.engine.restore(sparse_state, self._owner_token)
             self._step_began = None
+
+    def _settle_loads(self) -> None:
+        """At the first step after the engine was made or loaded from another process
+        (every rank gets here, loaded or not): every rank says whose residuals it
+        loaded, in one ``allgather_object``, and keeps its share of them
+        (docs/design.md §6)."""
+        if self.engine.loads_settled:
+            return
+        mine = (self.engine.loaded_by, self._owner_token)
+        everyone = allgather_object(mine, "hvds.opt.loaded_by", self.process_set)
+        holders = {token for loaded_by, token in everyone if loaded_by is None}
+        self.engine.settle_loaded([loaded_by for loaded_by, _ in everyone], holders)

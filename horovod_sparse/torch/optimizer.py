@@ -244,6 +244,7 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
             # Updates of the last step not yet applied by a forward pre-hook.
             self._deferred.apply_all(late=True)
         self._follow_world_size()
+        self._settle_loads()
         now = time.perf_counter()
         if self.engine.scheduler is not None:
             # Whole steps, from one backward's start to the next, judge trials.

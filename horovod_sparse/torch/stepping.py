@@ -53,6 +53,7 @@ class OptimizerStep(_OptimizerBase):
         def overlapping(self) -> bool: ...
 
         def _follow_world_size(self) -> None: ...
+        def _settle_loads(self) -> None: ...
 
     def _begin_step(self) -> None:
         self.engine.begin_step()
@@ -90,6 +91,7 @@ class OptimizerStep(_OptimizerBase):
         """Finish every reduce-scatter and launch every all-gather (waits for none)."""
         if not self._routing.step_open:
             self._follow_world_size()
+            self._settle_loads()
             self.engine.open_step()
         self._routing.submit_unused()
         # With the all-gathers deferred to the next forward, launch them in forward order.

@@ -80,8 +80,14 @@ def test_checkpoint_from_another_world_size_counts_its_mass_once():
         if hvd.rank() in SMALLER:
             model_b, opt_b = make(smaller)
             model_b.load_state_dict(saved_model)
-            with pytest.warns(UserWarning, match=f"1/{len(SMALLER)} of the saved residual"):
-                opt_b.load_state_dict(saved)
+            opt_b.load_state_dict(saved)
+            # What the next step's first gradient runs first: every rank says whose
+            # residuals it loaded, and keeps its share.
+            if len(SMALLER) > 1:
+                with pytest.warns(UserWarning, match=f"each takes 1/{len(SMALLER)} of them"):
+                    opt_b._settle_loads()
+            else:  # one rank loaded it: it keeps all of it
+                opt_b._settle_loads()
             for name, r in opt_b.residuals().items():
                 total = hvd.allreduce(r, op=hvd.Sum, name=f"fold.{name}", process_set=smaller)
                 torch.testing.assert_close(
@@ -91,6 +97,56 @@ def test_checkpoint_from_another_world_size_counts_its_mass_once():
             assert_identical(model_b, "fold.params", smaller)
     finally:
         hvd.barrier()
+
+
+def test_rank_zeros_checkpoint_loaded_by_every_rank_counts_its_mass_once():
+    """The usual Horovod checkpoint: rank 0 saves, every rank loads, same world size.
+    Rank 0's residuals are shared out at the next step (before: rank 0 kept all of its
+    own and every other rank took 1/P, (2P - 1)/P of the mass), training goes on with
+    identical parameters, and the invariant holds across that step."""
+    model, opt = make()
+    train(model, opt, 5, seed=7)
+    mine = opt.state_dict() if hvd.rank() == 0 else None
+    saved = hvd.broadcast_object(mine, root_rank=0, name="rank0.state")
+    saved_model = hvd.broadcast_object(model.state_dict(), root_rank=0, name="rank0.model")
+    model_b, opt_b = make()
+    model_b.load_state_dict(saved_model)
+    opt_b.load_state_dict(saved)
+    owed = saved["horovod_sparse"]["buckets"]
+    assert any(bucket["residual"].abs().sum() > 0 for bucket in owed.values())
+    context = (
+        pytest.warns(UserWarning, match=f"{hvd.size()} ranks loaded")
+        if hvd.size() > 1
+        else warnings.catch_warnings()
+    )
+    with context:
+        train(model_b, opt_b, 1, seed=8)  # the step after the load settles the shares
+    train(model_b, opt_b, 2, seed=9)
+    assert_identical(model_b, "rank0.params", hvd.global_process_set)
+
+
+def test_loaded_residuals_are_shared_before_the_next_exchange():
+    """Summed over ranks, the residuals after the settling equal rank 0's saved ones
+    (a checkpoint of one rank loaded by all), and equal each rank's own when each
+    loads its own checkpoint (restored exactly)."""
+    model, opt = make()
+    train(model, opt, 4, seed=10)
+    own = opt.state_dict()
+    own["horovod_sparse"]["owner"] = "another process"  # as if saved by an earlier run
+    rank0 = hvd.broadcast_object(own if hvd.rank() == 0 else None, 0, name="share.state")
+    for saved, expect_own in ((own, True), (rank0, False)):
+        _, fresh = make()
+        fresh.load_state_dict(saved)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore" if not expect_own else "error")
+            fresh._settle_loads()  # what the next step's first gradient runs first
+        for name, residual in fresh.residuals().items():
+            saved_residual = saved["horovod_sparse"]["buckets"][name]["residual"]
+            if expect_own:
+                assert torch.equal(residual, saved_residual)
+            else:
+                total = hvd.allreduce(residual, op=hvd.Sum, name=f"share.{name}")
+                torch.testing.assert_close(total, saved_residual)
 
 
 def test_optimizer_follows_a_shrinking_process_set():

@@ -154,3 +154,23 @@ def test_engine_runs_a_step_launching_each_bucket_at_its_last_tensor():
             np.testing.assert_array_equal(results[2], expected[2])
         engine.begin_step()
     assert [view.step for view in engine.views() if view.sparse] == [2, 2]
+
+
+def test_loaded_residual_shares_follow_who_loaded_what():
+    """The checkpoint policy's agreement (docs/design.md §6), given every rank's load."""
+    import warnings
+
+    from horovod_sparse.common.engine_state import residual_share_among
+
+    rank0 = (0, "run-a")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # One checkpoint per rank: each restores its own exactly.
+        assert residual_share_among(rank0, [rank0, (1, "run-a"), (2, "run-a")]) == 1.0
+        assert residual_share_among(None, [None, rank0]) == 1.0  # loaded nothing
+        # Horovod's pattern: rank 0's live optimizer ("run-a") still holds what it saved,
+        # the other ranks loaded copies, which owe none of it.
+        assert residual_share_among(rank0, [None, rank0, rank0], holders={"run-a"}) == 0.0
+    # Rank 0's checkpoint loaded by all three ranks: a third each, with a warning.
+    with pytest.warns(UserWarning, match="3 ranks loaded"):
+        assert residual_share_among(rank0, [rank0, rank0, rank0]) == pytest.approx(1 / 3)

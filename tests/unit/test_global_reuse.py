@@ -17,9 +17,9 @@ def key_of(value: float) -> int:
     return int(np.array([abs(value)], np.float32).view(np.int32)[0])
 
 
-def test_next_threshold_is_the_kth_gathered_magnitude_or_scaled_down():
+def test_next_threshold_is_the_kth_gathered_magnitude_or_the_tail_extended():
     ops, to, _ = _torch_backend()
-    reuse = ReusedGlobalThreshold(refresh_steps=4)
+    reuse = ReusedGlobalThreshold(refresh_steps=5)
     keys = ops.magnitude_keys(to(np.array([5.0, -4.0, 3.0, 2.0, 1.0], np.float32)))
     # Due at first: the radix select over one rank finds the exact 2nd largest, 4.0.
     exact = lambda: global_threshold_key(ops, keys, 2, "t", OneRank())  # noqa: E731
@@ -30,15 +30,23 @@ def test_next_threshold_is_the_kth_gathered_magnitude_or_scaled_down():
     assert int(reuse.key) == key_of(6.0)
     assert reuse.due  # 3 rows is above the band's 1.25 k = 2.5
     reuse.due = False
-    # Gathered 1 < k = 2: the key used, scaled by 1/2.
+    # Gathered 2 < k = 4: the tail extended down to k rows. The count doubles every
+    # (median key - lowest key) keys down: from 6.0 (lowest) and 8.0 (median), one
+    # doubling, 2 -> 4 rows, lands on the key of 4.0 (keys of 4, 6 and 8 are evenly
+    # spaced: 6 and 8 share an exponent, 4 is one exponent down at mantissa 0).
+    reuse.observe(ops, to(np.array([-8.0, 6.0], np.float32)), 4, own_rows=2)
+    assert int(reuse.key) == key_of(4.0)
+    assert reuse.due  # 2 rows is below the band's 0.9 k
+    # One row gives no tail to extend: the key stays, and the next step refreshes.
+    reuse.due = False
     reuse.observe(ops, to(np.array([6.5], np.float32)), 2, own_rows=1)
-    assert int(reuse.key) == key_of(3.0)
-    assert reuse.due  # 1 row is below the band's 0.8 k
+    assert int(reuse.key) == key_of(4.0)
+    assert reuse.due  # 1 row is below the band's 0.9 k
     # Within the band, the next step reuses until refresh_steps steps have passed.
-    for age in range(3, 6):  # steps since the refresh, this one included
+    for age in range(4, 7):  # steps since the refresh, this one included
         reuse.due = False
         reuse.observe(ops, to(np.array([9.0, 8.0], np.float32)), 2, own_rows=2)
-        assert reuse.due == (age >= 4)
+        assert reuse.due == (age >= 5)
     # A per-owner cap raises the threshold so at most `cap` keys pass.
     capped = ReusedGlobalThreshold.capped(ops, keys, to(np.array(1, np.int32)), 2)
     assert int(capped) == key_of(4.0)
