@@ -80,11 +80,14 @@ class OptimizerCheckpoint(_OptimizerBase):
         After a restore on the root alone, the ranks would otherwise disagree on which
         steps are dense or when the scheduler decides, and wait in different collectives.
         """
-        everyone = allgather_object(
-            self.engine.shared_state(), "hvds.opt.shared_state", self.process_set
-        )
+        mine = (self.engine.shared_state(), self.engine.loaded_by, self._owner_token)
+        everyone = allgather_object(mine, "hvds.opt.shared_state", self.process_set)
         members = getattr(self.process_set, "ranks", None) or list(range(len(everyone)))
-        self.engine.adopt_shared_state(everyone[members.index(root)])
+        self.engine.adopt_shared_state(everyone[members.index(root)][0])
+        # Every rank is here: the loads are settled too (a rank 0 that loaded a
+        # checkpoint before the broadcast keeps all of it; a worker that joined an
+        # elastic job, made since the others' last agreement, joins none).
+        self._settle_among([(loaded_by, token) for _, loaded_by, token in everyone])
         self._step_began = None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -129,6 +132,10 @@ class OptimizerCheckpoint(_OptimizerBase):
         if self.engine.loads_settled:
             return
         mine = (self.engine.loaded_by, self._owner_token)
-        everyone = allgather_object(mine, "hvds.opt.loaded_by", self.process_set)
+        self._settle_among(allgather_object(mine, "hvds.opt.loaded_by", self.process_set))
+
+    def _settle_among(self, everyone: list[Any]) -> None:
+        """Keep this rank's share of what it loaded, from every rank's ``(loaded_by,
+        owner token)``: a rank that loaded nothing still holds what it saved."""
         holders = {token for loaded_by, token in everyone if loaded_by is None}
         self.engine.settle_loaded([loaded_by for loaded_by, _ in everyone], holders)
