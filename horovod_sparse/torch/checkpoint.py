@@ -103,7 +103,8 @@ class OptimizerCheckpoint(_OptimizerBase):
           are cut again for a new world size.
 
         Load on every rank of the process set, or on some ranks before the first
-        step: the agreement is a collective of the step after a load.
+        step or before ``hvd.broadcast_optimizer_state``: the agreement is a
+        collective of the step after a load (or of that broadcast).
         """
         state_dict = dict(state_dict)
         sparse_state = state_dict.pop(_STATE_KEY, None)
