@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -61,15 +61,24 @@ class LocalThreads:
             self._threads = max(1, cores_available() // max(1, self._local_ranks()))
         return self._threads
 
-    @contextmanager
-    def scope(self) -> Iterator[None]:
-        """Run the body at :attr:`threads` when torch's current count is higher."""
+    def scope(self) -> AbstractContextManager[None]:
+        """Run the body at :attr:`threads` when torch's current count is higher. Where it
+        is not (one rank per host, a user's lower setting, a nested scope), nothing is
+        set: the shared no-op context, no generator per call (``Engine.accumulate``
+        enters it once per gradient tensor)."""
         current = torch.get_num_threads()
         if current <= self.threads:
-            yield
-            return
-        torch.set_num_threads(self.threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(current)
+            return _UNCHANGED
+        return _lowered(self.threads, current)
+
+
+_UNCHANGED = nullcontext()
+
+
+@contextmanager
+def _lowered(threads: int, restore_to: int) -> Iterator[None]:
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(restore_to)
