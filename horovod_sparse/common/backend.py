@@ -18,12 +18,11 @@ depend on such state go through :meth:`Backend.cond`: a Python ``if`` on a host 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from horovod_sparse.common.config import budget
+from horovod_sparse.common.host_counts import HostCounts
 
 if TYPE_CHECKING:
     from horovod_sparse.common.config import SparseConfig
@@ -69,61 +68,6 @@ def host_at_least(count: Any, bound: int) -> bool:
     dense step whenever the budget reaches n, so a graph budget is below n).
     """
     return isinstance(count, (int, float)) and count >= bound
-
-
-_ROUNDINGS: dict[str, Callable[[float], int]] = {
-    "ceil": math.ceil,
-    "floor": math.floor,
-    "round": round,  # half to even, as tf.math.round
-}
-
-
-class HostCounts:
-    """Budget arithmetic on host ints: right wherever the step count is a host value.
-
-    A backend whose step count can be a graph value (TF's ``tf.Variable`` under
-    ``tf.function``) overrides both methods, so that a budget that follows the step
-    count (``density_decay_steps``) is computed in the graph.
-    """
-
-    def sparse_budget(self, numel: int, config: SparseConfig, step: Any) -> Any:
-        """k of a sparse step (past any warm-up) at ``step``:
-        ``budget(numel, config.sparse_density_at(step))``. Reads ``step`` only while the
-        density decays."""
-        return budget(numel, config.sparse_density_at(step))
-
-    def scheduled_budget(self, numel: int, config: SparseConfig, step: Any) -> Any:
-        """k by the density schedule at ``step``, warm-up included (n while warm):
-        ``budget(numel, config.density_at(step))``."""
-        return budget(numel, config.density_at(step))
-
-    def all_of(self, flags: Sequence[Any]) -> Any:
-        """Whether every decision holds (a graph bool where one of them is)."""
-        return all(flags)
-
-    def any_of(self, flags: Sequence[Any]) -> Any:
-        """Whether some decision holds (a graph bool where one of them is)."""
-        return any(flags)
-
-    def scaled_count(
-        self,
-        count: Any,
-        numerator: float,
-        denominator: int = 1,
-        rounding: str = "floor",
-        least: int | None = None,
-        most: int | None = None,
-    ) -> Any:
-        """``rounding`` (``"ceil"``, ``"floor"``, or ``"round"``: half to even) of
-        ``count * numerator / denominator``, then at most ``most`` and at least
-        ``least`` where given; evaluated in that order, in float64, so that every
-        backend gets the same integer from the same count."""
-        value = _ROUNDINGS[rounding](count * numerator / denominator)
-        if most is not None:
-            value = min(most, value)
-        if least is not None:
-            value = max(least, value)
-        return value
 
 
 class HorovodPrimitives(HostCounts):
@@ -363,6 +307,19 @@ class Backend(Protocol):
 
     def count_in_range(self, indices: Tensor, lo: int, hi: int) -> Any:
         """Scalar: entries of ``indices`` in ``[lo, hi)``."""
+
+    # ---- one exchange for several buckets (common/joined.py)
+    def owner_major(self, sends: Sequence[tuple[Tensor, Any]]) -> tuple[Tensor, Any]:
+        """Several alltoall sends ``(rows, splits)`` (each rows' owners in order) as one:
+        the rows for owner 0 of every send in send order, then owner 1's, ...; and the
+        summed splits."""
+
+    def cut_at(
+        self, indices: Tensor, values: Tensor, edges: Sequence[int], ordered: bool
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Per part p, the ``(indices - edges[p], values)`` whose index lies in
+        ``[edges[p], edges[p+1])``, indices ascending. ``ordered``: ``indices`` are
+        ascending already; else they are distinct and get sorted."""
 
     def scatter_into(
         self, numel: int, like: Tensor, indices: Tensor, values: Tensor, out: Any = None

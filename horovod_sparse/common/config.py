@@ -102,6 +102,11 @@ class SparseConfig:
             the band; no collective on the other steps) or ``"exact"`` (a radix
             select, 4 histogram allreduces every sparse step).
         refresh_steps: steps between exact refreshes of a reused global threshold.
+        join_buckets: the sparse buckets of a step share one alltoall and one
+            allgather (:mod:`~horovod_sparse.common.joined`), launched once the last
+            of them is selected; ``False`` gives each bucket its own two, launched as
+            soon as it is ready (more overlap with backward, a collective's latency
+            per bucket).
         log_every: print one line of the step's figures (density, bytes against dense,
             exchange seconds, refreshes) on the process set's first rank every this many
             steps; 0 prints nothing (the PyTorch and Keras optimizers and the TF tape).
@@ -126,6 +131,7 @@ class SparseConfig:
     global_selection: str = "reuse"
     refresh_steps: int = 32
     log_every: int = 0
+    join_buckets: bool = True
 
     def __post_init__(self) -> None:
         _check_density(self.density)
@@ -135,6 +141,7 @@ class SparseConfig:
         _check_choice("scheduler", self.scheduler, SCHEDULERS)
         _check_choice("overlap_allgather", self.overlap_allgather, OVERLAP_SETTINGS)
         _check_choice("momentum_correction", self.momentum_correction, (None, True, False))
+        _check_choice("join_buckets", self.join_buckets, (True, False))
         for knob in ("reestimate_steps", "repartition_steps", "scheduler_steps", "refresh_steps"):
             _check_at_least(knob, getattr(self, knob), 1)
         for knob in ("min_sparse_numel", "warmup_steps", "density_decay_steps", "log_every"):

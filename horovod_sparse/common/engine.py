@@ -25,6 +25,7 @@ from horovod_sparse.common.engine_state import BucketView, EngineState, SharedSt
 from horovod_sparse.common.fusion import DenseFusion
 from horovod_sparse.common.handle import BucketHandle
 from horovod_sparse.common.inflight import OwnedSums, ScatterInFlight
+from horovod_sparse.common.joined import join_sparse_steps
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.plan import Reducer, StepPlan, plan_step, refresh_together
 from horovod_sparse.common.scheduler import AutoScheduler
@@ -113,6 +114,14 @@ class Engine(EngineState):
         ``gradients_in_residual``: the caller has no bucket buffers to copy gradients
         into (a step run all at once), so every sparse bucket's go into its residual."""
         self.plan = plan_step(self.ops, self.reducers, self.fusion, gradients_in_residual)
+        # The planned sparse steps share one alltoall and one allgather (common/joined.py).
+        # Not the members of a run that fuses by a graph predicate: they step inside a
+        # ``Backend.cond`` branch, which a collective shared with the rest cannot span.
+        graph_runs = [] if self.plan.runs_fuse is True else self.plan.fused_runs
+        kinds = list(self.plan.kinds)
+        for index in (i for run in graph_runs for i in run):
+            kinds[index] = None
+        join_sparse_steps(self.ops, self.reducers, kinds)
         self.kinds = list(self.plan.kinds)
         self.fusion_runs = self.plan.fused_runs
         return self.plan

@@ -19,6 +19,7 @@ from typing import Any
 from horovod_sparse.common.backend import Backend, Tensor
 from horovod_sparse.common.fusion import FusedPart
 from horovod_sparse.common.inflight import GatherInFlight, OwnedSums, ScatterInFlight
+from horovod_sparse.common.joined import JoinedPart
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.plan import Reducer
 
@@ -56,15 +57,15 @@ class BucketHandle:
     def collective(self) -> Any:
         """The framework's handle of the collective in flight."""
         stage = self.stage
-        if isinstance(stage, ScatterInFlight):
-            return stage.sent.handle
-        if isinstance(stage.handle, FusedPart):
-            return stage.handle.pending
-        return stage.handle
+        handle = stage.sent.handle if isinstance(stage, ScatterInFlight) else stage.handle
+        if isinstance(handle, (FusedPart, JoinedPart)):
+            return handle.pending  # the shared collective (None until it is launched)
+        return handle
 
     def poll(self) -> bool:
         """Whether the collective in flight has finished; never blocks."""
-        return self.ops.poll(self.collective)
+        collective = self.collective
+        return collective is not None and self.ops.poll(collective)
 
     def advance(self, received: tuple[OwnedSums, Tensor | None] | None = None) -> None:
         """Finish the reduce-scatter and launch the all-gather (a no-op once done).

@@ -85,6 +85,8 @@ OPTION_SUPPORT: Mapping[str, frozenset[Frontend]] = MappingProxyType(
         "global_selection": _EVERY,
         "refresh_steps": _EVERY,
         "log_every": _BUCKETED,
+        # Several buckets in one engine: DDP hands each bucket to the hook on its own.
+        "join_buckets": _BUCKETED,
     }
 )
 

@@ -79,6 +79,8 @@ class BucketReducer(SparseStages, DenseStages):
             self.residual = ops.add_scaled_(self.residual, grad, prescale)
         self.residual_clear = False  # the gradients are in it (see accumulate())
         if dense or host_at_least(self.k, self.numel):
+            if self.joined is not None:  # planned sparse, but its budget reached n
+                self.joined.withdraw(self)
             return self.start_dense(self.residual, began)
         return self.start_sparse(self.residual, began)
 

@@ -6,7 +6,7 @@ from typing import Callable
 
 from horovod_sparse.common.backend import Backend, Tensor
 
-__all__ = ["owner_reduce"]
+__all__ = ["owner_reduce", "reduce_rows"]
 
 
 def owner_reduce(
@@ -31,7 +31,14 @@ def owner_reduce(
         the sum of the values received for each, in the bucket's dtype.
     """
     indices, wire_values = ops.unpack_rows(rows, wire_like)
-    values = decode(wire_values)
+    return reduce_rows(ops, indices, decode(wire_values), like)
+
+
+def reduce_rows(
+    ops: Backend, indices: Tensor, values: Tensor, like: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The distinct ``indices``, ascending, and the sum of ``values`` at each (in
+    ``like``'s dtype), added in row order."""
     # Sum over the distinct received indices only: O(rows), not O(region length).
     # Rows are added in arrival (rank) order, so the sums do not depend on timing (the
     # torch backend avoids index_add_'s unordered atomics on CUDA for this).

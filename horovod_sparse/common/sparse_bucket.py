@@ -66,6 +66,9 @@ class SparseBucket:
         # from it, and the adapter can reduce the bucket buffer itself (the kind
         # DENSE_IN_BUFFER, common/plan.py). Assigning ``residual`` clears it.
         self.residual_clear = True
+        # The step's joined exchange (common/joined.py), which the engine's plan sets
+        # on each step's sparse buckets; None: the bucket exchanges on its own.
+        self.joined: Any = None
         # Momentum correction's velocity over the bucket, or None: entries this rank
         # selects are zeroed in it too (momentum factor masking).
         self.velocity: Tensor | None = None

@@ -22,6 +22,7 @@ from horovod_sparse.common.exchange import (
 )
 from horovod_sparse.common.global_selection import global_threshold_key
 from horovod_sparse.common.inflight import GatherInFlight, OwnedSums, ScatterInFlight
+from horovod_sparse.common.joined import JoinedPart
 from horovod_sparse.common.reduction import owner_reduce
 from horovod_sparse.common.sparse_bucket import SparseBucket
 from horovod_sparse.common.step import StepRecord
@@ -37,7 +38,8 @@ class SparseStages(SparseBucket):
         residual buffer, which already holds this step's gradients).
 
         Sends: one alltoall of about k(P-1)/P rows (see
-        :func:`~horovod_sparse.common.exchange.spar_reduce_scatter_start`).
+        :func:`~horovod_sparse.common.exchange.spar_reduce_scatter_start`), or hands
+        them to the step's joined alltoall (:mod:`~horovod_sparse.common.joined`).
         Keeps: the unselected entries as the new residual (plus the rounding of lossy
         value compression).
         """
@@ -55,10 +57,13 @@ class SparseStages(SparseBucket):
         selected = ops.clock(wire)
         # Step 4: partition, the boundaries every rank holds alike (a balanced partition
         # moves them after an all-gather: see finish_sparse()).
-        # Step 5: Spar-Reduce-Scatter.
-        sent = spar_reduce_scatter_start(
-            ops, indices, wire, self.boundaries, self.name, self.process_set
-        )
+        # Step 5: Spar-Reduce-Scatter, alone or in the step's joined alltoall.
+        if self.joined is not None:
+            sent = self.joined.send_scatter(self, indices, wire)
+        else:
+            sent = spar_reduce_scatter_start(
+                ops, indices, wire, self.boundaries, self.name, self.process_set
+            )
         self.last_record = StepRecord(
             seconds_select=selected - began,
             seconds_local=selected - began,
@@ -73,18 +78,24 @@ class SparseStages(SparseBucket):
         """Wait for the reduce-scatter; step 6a: the owner's sums. Sends nothing more."""
         ops, record = self.ops, self.last_record
         began = ops.clock()
-        rows, recv_splits = ops.wait(inflight.sent.handle)
-        received = ops.clock(rows)
-        record.recv_splits = recv_splits
-        record.rows_received = ops.sum_except(recv_splits, self.rank)
-        # Step 6a: owner reduction (duplicates from different ranks add up).
-        region_indices, sums = owner_reduce(
-            ops,
-            rows,
-            inflight.wire_like,
-            self.residual,
-            decode=lambda wire: ops.decompress(wire, inflight.compression_ctx),
-        )
+        handle = inflight.sent.handle
+
+        def decode(wire: Tensor) -> Tensor:
+            return ops.decompress(wire, inflight.compression_ctx)
+
+        if isinstance(handle, JoinedPart):
+            # Step 6a for every member of the joined alltoall at once (the first asks).
+            region_indices, sums, record.rows_received = handle.owned(self.residual, decode)
+            received = ops.clock(sums)
+        else:
+            rows, recv_splits = ops.wait(handle)
+            received = ops.clock(rows)
+            record.recv_splits = recv_splits
+            record.rows_received = ops.sum_except(recv_splits, self.rank)
+            # Step 6a: owner reduction (duplicates from different ranks add up).
+            region_indices, sums = owner_reduce(
+                ops, rows, inflight.wire_like, self.residual, decode=decode
+            )
         keys = ops.magnitude_keys(sums)
         return OwnedSums(region_indices, sums, keys, began, received, ops.clock(keys))
 
@@ -144,7 +155,10 @@ class SparseStages(SparseBucket):
         bucket_idx = ops.shift(kept_idx, lo)
         if lost is not None:
             self.residual = ops.add_at(self.residual, bucket_idx, lost)
-        handle = spar_all_gather_start(ops, bucket_idx, wire, self.name, self.process_set)
+        if self.joined is not None:
+            handle = self.joined.send_gather(self, bucket_idx, wire)
+        else:
+            handle = spar_all_gather_start(ops, bucket_idx, wire, self.name, self.process_set)
         record.seconds_select = record.seconds_select + (selected - owned.received)
         # Local work only (no collective waits), for an automatic scheduler's cost model.
         record.seconds_local = (
@@ -163,9 +177,11 @@ class SparseStages(SparseBucket):
         into a dense buffer of length n (zeros elsewhere), ``out`` when given."""
         ops, record = self.ops, self.last_record
         began = ops.clock()
-        rows = ops.wait(inflight.handle)
-        record.seconds_exchange = record.seconds_exchange + (ops.clock(rows) - began)
-        indices, wire_values = ops.unpack_rows(rows, inflight.wire_like)
+        if isinstance(inflight.handle, JoinedPart):
+            indices, wire_values = inflight.handle.gathered()
+        else:
+            indices, wire_values = ops.unpack_rows(ops.wait(inflight.handle), inflight.wire_like)
+        record.seconds_exchange = record.seconds_exchange + (ops.clock(wire_values) - began)
         values = ops.decompress(wire_values, inflight.compression_ctx)
         if self.reused_threshold is not None:
             # Every rank gathered the same rows: each derives the next threshold alike.

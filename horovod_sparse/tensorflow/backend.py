@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from horovod_sparse.common.backend import HorovodPrimitives
 from horovod_sparse.common.config import SparseConfig
+from horovod_sparse.tensorflow import kernels
 from horovod_sparse.tensorflow.kernels import VariableCell, scheduled_budget, top_k_mask
 
 __all__ = ["BACKEND", "TFBackend", "VariableCell"]  # VariableCell: from kernels.py
@@ -324,6 +325,14 @@ class TFBackend(HorovodPrimitives):
         return [tf.boolean_mask(t, mask) for t in tensors], [
             tf.boolean_mask(t, drop) for t in tensors
         ]
+
+    def owner_major(self, sends: Sequence[tuple[tf.Tensor, Any]]) -> tuple[tf.Tensor, Any]:
+        return kernels.owner_major(list(sends))
+
+    def cut_at(
+        self, indices: tf.Tensor, values: tf.Tensor, edges: Sequence[int], ordered: bool
+    ) -> list[tuple[tf.Tensor, tf.Tensor]]:
+        return kernels.cut_at(indices, values, list(edges), ordered)
 
     def count_in_range(self, indices: tf.Tensor, lo: int, hi: int) -> tf.Tensor:
         inside = tf.logical_and(indices >= lo, indices < hi)

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from horovod_sparse.common.config import SparseConfig, budget
 
-__all__ = ["VariableCell", "scheduled_budget", "top_k_mask"]
+__all__ = ["VariableCell", "cut_at", "owner_major", "scheduled_budget", "top_k_mask"]
 
 
 def top_k_mask(magnitudes: tf.Tensor, k: Any) -> tf.Tensor:
@@ -66,3 +66,25 @@ class VariableCell:
 
     def set(self, value: Any) -> None:
         self.variable.assign(tf.cast(value, self.variable.dtype))
+
+
+def owner_major(sends: list[tuple[tf.Tensor, tf.Tensor]]) -> tuple[tf.Tensor, tf.Tensor]:
+    """Several alltoall sends as one, owner by owner (``Backend.owner_major``)."""
+    owners = int(sends[0][1].shape[0])
+    pieces = [tf.split(rows, splits, num=owners) for rows, splits in sends]
+    joined = [piece[owner] for owner in range(owners) for piece in pieces]
+    return tf.concat(joined, axis=0), tf.add_n([splits for _, splits in sends])
+
+
+def cut_at(
+    indices: tf.Tensor, values: tf.Tensor, edges: list[int], ordered: bool
+) -> list[tuple[tf.Tensor, tf.Tensor]]:
+    """Entries per part ``[edges[p], edges[p+1])``, ascending (``Backend.cut_at``)."""
+    if not ordered:
+        order = tf.argsort(indices)
+        indices, values = tf.gather(indices, order), tf.gather(values, order)
+    positions = tf.searchsorted(indices, tf.constant(edges, tf.int64), out_type=tf.int32)
+    sizes = positions[1:] - positions[:-1]
+    parts = len(edges) - 1
+    cut = zip(tf.split(indices, sizes, num=parts), tf.split(values, sizes, num=parts), edges)
+    return [(part - start, part_values) for part, part_values, start in cut]

@@ -327,6 +327,27 @@ class TorchKernels(HorovodPrimitives):
     def count_in_range(self, indices: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         return ((indices >= lo) & (indices < hi)).sum()
 
+    def owner_major(
+        self, sends: Sequence[tuple[torch.Tensor, list[int]]]
+    ) -> tuple[torch.Tensor, list[int]]:
+        # The splits are host ints already: views, and one copy into the joined send.
+        pieces = [rows.split(splits) for rows, splits in sends]
+        owners = len(sends[0][1])
+        joined = [piece[owner] for owner in range(owners) for piece in pieces]
+        return torch.cat(joined), [sum(splits[o] for _, splits in sends) for o in range(owners)]
+
+    def cut_at(
+        self, indices: torch.Tensor, values: torch.Tensor, edges: Sequence[int], ordered: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not ordered:
+            indices, order = torch.sort(indices)
+            values = values.index_select(0, order)
+        bounds = self._boundaries(list(edges), indices.device)
+        positions = torch.searchsorted(indices, bounds).tolist()  # host sync: the cut sizes
+        sizes = [hi - lo for lo, hi in zip(positions[:-1], positions[1:])]
+        cut = zip(indices.split(sizes), values.split(sizes), edges)
+        return [(part - start, part_values) for part, part_values, start in cut]
+
     def scatter_into(
         self,
         numel: int,

@@ -54,6 +54,7 @@ AWAY_FROM_DEFAULT: dict[str, Any] = {
     "global_selection": "exact",
     "refresh_steps": 8,
     "log_every": 5,
+    "join_buckets": False,
 }
 OPTIONS = sorted(OPTION_NAMES)
 
