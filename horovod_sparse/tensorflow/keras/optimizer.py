@@ -229,11 +229,16 @@ class SparseOptimizerMixin(SparseStateAccess, _OptimizerBase):
             # A bucket's step count, boundaries, selection and reused threshold: made at
             # build (not at the first step), so a fresh optimizer's variable list is the
             # saved one's, and a restored run resumes its schedule.
-            variable = self.add_variable(
-                tuple(initial.shape), dtype=initial.dtype.name, name=f"sparse_{name}"
+            # Through ``initializer``, not an ``assign`` after it: Keras builds the
+            # optimizer inside a stateless scope where an assign is not kept (the
+            # variables then started at zero: partition boundaries [0, 0, 0] sent no
+            # rows at all).
+            return self.add_variable(
+                tuple(initial.shape),
+                initializer=lambda shape, dtype: tf.cast(initial, dtype),
+                dtype=initial.dtype.name,
+                name=f"sparse_{name}",
             )
-            variable.assign(initial)
-            return variable
 
         assert self.sparse_config is not None  # else validation raised above
         self._gradient_reducer = GradientReducer(
