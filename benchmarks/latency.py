@@ -6,7 +6,9 @@ per layer (``fusion_threshold_bytes`` set to the layer's size), is reduced by
 
 * dense: ``horovod.torch.DistributedOptimizer`` (Horovod's own fused allreduce);
 * sparse, ``global_selection="exact"``: the radix select on every sparse step;
-* sparse, ``global_selection="reuse"``: the threshold derived from the last all-gather.
+* sparse, ``global_selection="reuse"``: the threshold derived from the last all-gather;
+* ``reuse_apart``: the same with ``join_buckets=False`` (one alltoall and one allgather
+  per bucket instead of one for all of them).
 
 Collectives are counted by wrapping the backend's async collectives (sparse) and
 Horovod's ``allreduce_async_`` / ``grouped_allreduce_async_`` (dense; Horovod fuses what
@@ -38,7 +40,7 @@ ROOT = HERE.parent
 # (measured: about every other step over the first 25 at 256K floats, P=2), so the
 # timed steps start past it.
 WARMUP = 30
-MODES = ("dense", "exact", "reuse")
+MODES = ("dense", "exact", "reuse", "reuse_apart")
 COLLECTIVES = ("alltoall_async", "allgather_async", "allreduce_sum_async")
 
 
@@ -83,7 +85,8 @@ def measure(mode: str, buckets: int, floats: int, density: float, steps: int) ->
             sgd,
             model.named_parameters(),
             density=density,
-            global_selection=mode,
+            global_selection="exact" if mode == "exact" else "reuse",
+            join_buckets=mode != "reuse_apart",
             fusion_threshold_bytes=side * side * 4,
         )
         wrapped = [(functions.BACKEND, name) for name in COLLECTIVES]

@@ -112,8 +112,7 @@ class JoinedExchange:
         offsets = ops.region_offsets(indices, member.boundaries)
         position = self._position[id(member)]
         self._sends[position] = (ops.pack_rows(indices, offsets - self._base(member), wire), splits)
-        lo, hi = member.boundaries[member.rank], member.boundaries[member.rank + 1]
-        self._own_rows[position] = ops.count_in_range(indices, lo, hi)
+        self._own_rows[position] = splits[member.rank]
         self._wire_like = wire
         self._scatter_waits.discard(position)
         self._launch_scatter()
@@ -136,11 +135,10 @@ class JoinedExchange:
             ops = self._launched(self.scatter_handle, self._scatter_waits, "reduce-scatter")
             rows, _ = ops.wait(self.scatter_handle)
             indices, wire_values = ops.unpack_rows(rows, self._wire_like)
-            # Rows per member from the other ranks, for the records.
-            counts = [
-                ops.count_in_range(indices, lo, hi) - self._own_rows.get(m, 0)
-                for m, (lo, hi) in enumerate(self._spans())
-            ]
+            # Rows per member from the other ranks, for the records: member m's
+            # rows are the m-th of len(members) equal bins of the joined index.
+            everyone = ops.position_histogram(indices, self.edges[-1], len(self.members))
+            counts = [everyone[m] - self._own_rows.get(m, 0) for m in range(len(self.members))]
             distinct, sums = reduce_rows(ops, indices, decode(wire_values), like)
             parts = ops.cut_at(distinct, sums, self.edges, ordered=True)
             self._owned = [(idx, part_sums, n) for (idx, part_sums), n in zip(parts, counts)]
@@ -170,9 +168,6 @@ class JoinedExchange:
             # Each rank's rows come in member order; across ranks they interleave.
             self._gathered = ops.cut_at(indices, wire_values, self.edges, ordered=False)
         return self._gathered[self._position[id(member)]]
-
-    def _spans(self) -> list[tuple[int, int]]:
-        return list(zip(self.edges[:-1], self.edges[1:]))
 
     def _launched(self, handle: Any, waits: set[int], what: str) -> Backend:
         if handle is None:

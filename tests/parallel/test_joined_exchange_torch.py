@@ -2,7 +2,6 @@
 the count per step, the same results as one exchange per bucket, no mass lost."""
 
 import horovod.torch as hvd
-import pytest
 import torch
 
 import horovod_sparse.torch as hvds
@@ -47,7 +46,7 @@ def test_a_reused_step_of_16_buckets_is_one_alltoall_and_one_allgather(counted):
     buckets = sparse_buckets(opt, model)
     assert len(buckets) == BUCKETS
     reused = refreshed = 0
-    for step in range(40):
+    for step in range(24):
         fresh_grads(model, step)
         before = {b.name: r.double().clone() for b, r in zip(buckets, _residuals(opt, buckets))}
         grads = {b.name: flat(p.grad for p in b.params) for b in buckets}
@@ -63,25 +62,25 @@ def test_a_reused_step_of_16_buckets_is_one_alltoall_and_one_allgather(counted):
         else:
             refreshed += 1
             assert dense <= 1 + 4, (step, issued)  # + one radix select for all buckets
-        # Invariant, per bucket: summed over ranks, residual_after + P * average ==
-        # residual_before + gradient; and every rank holds the same result.
-        for bucket, after in zip(buckets, _residuals(opt, buckets)):
-            result = flat(p.grad for p in bucket.params)
-            tag = f"joined.{step}.{bucket.name}"
-            lhs = hvd.allreduce(after.double(), op=hvd.Sum, name=f"{tag}.l")
-            lhs += hvd.size() * result
-            rhs = hvd.allreduce(
-                before[bucket.name] + grads[bucket.name], op=hvd.Sum, name=f"{tag}.r"
-            )
-            torch.testing.assert_close(lhs, rhs, rtol=0, atol=1e-4)
-            everyone = hvd.allgather(result.view(1, -1), name=f"{tag}.o")
-            assert all(torch.equal(row, result) for row in everyone)
-            assert int((result != 0).sum()) > 0
+        # Invariant over every bucket's entries at once (one allreduce each side):
+        # summed over ranks, residual_after + P * average == residual_before + gradient;
+        # and every rank holds the same result.
+        after = flat(_residuals(opt, buckets))
+        result = flat(p.grad for b in buckets for p in b.params)
+        tag = f"joined.{step}"
+        lhs = hvd.allreduce(after, op=hvd.Sum, name=f"{tag}.l") + hvd.size() * result
+        sent = flat(before[b.name] + grads[b.name] for b in buckets)
+        rhs = hvd.allreduce(sent, op=hvd.Sum, name=f"{tag}.r")
+        torch.testing.assert_close(lhs, rhs, rtol=0, atol=1e-4)
+        everyone = hvd.allgather(result.view(1, -1), name=f"{tag}.o")
+        assert all(torch.equal(row, result) for row in everyone)
+        for bucket in buckets:  # every bucket delivered something
+            assert int((flat(p.grad for p in bucket.params) != 0).sum()) > 0
         with opt.skip_synchronize():
             opt.step()
     # Both kinds of step were counted (refreshes are most frequent while the residuals
     # grow over the first steps; any of the 16 buckets refreshing makes a refresh step).
-    assert reused >= 10 and refreshed >= 1, (reused, refreshed)
+    assert reused >= 6 and refreshed >= 1, (reused, refreshed)
 
 
 def _residuals(opt, buckets) -> list[torch.Tensor]:
@@ -89,25 +88,21 @@ def _residuals(opt, buckets) -> list[torch.Tensor]:
     return [residuals[b.name].clone() for b in buckets]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_training_joined_equals_one_exchange_per_bucket_bitwise(overlap):
+def test_training_joined_equals_one_exchange_per_bucket_bitwise():
     """Through backward's hooks (buckets launched as their gradients arrive) and with
     the all-gathers deferred to the next forward: the same parameters and residuals
     bit for bit as with one alltoall and one allgather per bucket."""
     runs = []
     for join in (True, False):
         model = model_of(6)
-        opt = optimizer_of(
-            model, join, f"joined.train.{join}", overlap_allgather=overlap, model=model
-        )
+        opt = optimizer_of(model, join, f"joined.train.{join}", overlap_allgather=True, model=model)
         generator = torch.Generator().manual_seed(hvd.rank())
         for _ in range(25):
             x = torch.randn(8, SIDE, generator=generator)
             opt.zero_grad()
             model(x).pow(2).mean().backward()
             opt.step()
-        if overlap:
-            opt.flush()
+        opt.flush()
         runs.append((model, opt))
     (joined_model, joined_opt), (alone_model, alone_opt) = runs
     for a, b in zip(joined_model.parameters(), alone_model.parameters()):
