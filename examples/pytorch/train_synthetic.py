@@ -87,10 +87,12 @@ def main() -> None:
         else:
             s = optimizer.stats()
             sent, received = s.bytes_sent, s.bytes_received
-            # An alltoall and an allgather per sparse bucket, 4 histogram allreduces on
-            # a step where a threshold refreshes, one allreduce for the dense buckets.
+            # One alltoall and one allgather for all sparse buckets (join_buckets), 4
+            # histogram allreduces on a step where a threshold refreshes, one allreduce
+            # for the dense buckets.
             refresh = 4 if s.global_refreshes else 0
-            steps = ring * (2 * s.sparse_buckets + 2 * refresh + (2 if s.dense_buckets else 0))
+            sparse = 2 if s.sparse_buckets else 0
+            steps = ring * (sparse + 2 * refresh + (2 if s.dense_buckets else 0))
         moved.append(sent + received)
         sent_bytes.append(sent)
         message_steps.append(steps)

@@ -19,7 +19,7 @@ def key_of(value: float) -> int:
 
 def test_next_threshold_is_the_kth_gathered_magnitude_or_the_tail_extended():
     ops, to, _ = _torch_backend()
-    reuse = ReusedGlobalThreshold(refresh_steps=5)
+    reuse = ReusedGlobalThreshold(refresh_steps=6)
     keys = ops.magnitude_keys(to(np.array([5.0, -4.0, 3.0, 2.0, 1.0], np.float32)))
     # Due at first: the radix select over one rank finds the exact 2nd largest, 4.0.
     exact = lambda: global_threshold_key(ops, keys, 2, "t", OneRank())  # noqa: E731
@@ -28,25 +28,29 @@ def test_next_threshold_is_the_kth_gathered_magnitude_or_the_tail_extended():
     # Gathered 3 >= k = 2 rows: the next key is the 2nd largest gathered magnitude.
     reuse.observe(ops, to(np.array([-7.0, 6.0, 0.5], np.float32)), 2, own_rows=3)
     assert int(reuse.key) == key_of(6.0)
-    assert reuse.due  # 3 rows is above the band's 1.25 k = 2.5
-    reuse.due = False
+    # 3 rows is above the cap's 1.25 k = 2.5, yet no refresh: the k-th key is known.
+    assert not reuse.due
     # Gathered 2 < k = 4: the tail extended down to k rows. The count doubles every
     # (median key - lowest key) keys down: from 6.0 (lowest) and 8.0 (median), one
     # doubling, 2 -> 4 rows, lands on the key of 4.0 (keys of 4, 6 and 8 are evenly
     # spaced: 6 and 8 share an exponent, 4 is one exponent down at mantissa 0).
     reuse.observe(ops, to(np.array([-8.0, 6.0], np.float32)), 4, own_rows=2)
     assert int(reuse.key) == key_of(4.0)
-    assert reuse.due  # 2 rows is below the band's 0.9 k
+    assert not reuse.due  # 2 rows is not below 0.5 k: the extended tail is used
+    # Below 0.5 k: refresh (3 rows of k = 7, tail extended all the same).
+    reuse.observe(ops, to(np.array([-8.0, 6.0, 5.0], np.float32)), 7, own_rows=3)
+    assert reuse.due
     # One row gives no tail to extend: the key stays, and the next step refreshes.
     reuse.due = False
+    before = int(reuse.key)
     reuse.observe(ops, to(np.array([6.5], np.float32)), 2, own_rows=1)
-    assert int(reuse.key) == key_of(4.0)
-    assert reuse.due  # 1 row is below the band's 0.9 k
+    assert int(reuse.key) == before
+    assert reuse.due  # 1 row: no tail
     # Within the band, the next step reuses until refresh_steps steps have passed.
-    for age in range(4, 7):  # steps since the refresh, this one included
+    for age in range(5, 8):  # steps since the refresh, this one included
         reuse.due = False
         reuse.observe(ops, to(np.array([9.0, 8.0], np.float32)), 2, own_rows=2)
-        assert reuse.due == (age >= 5)
+        assert reuse.due == (age >= 6)
     # A per-owner cap raises the threshold so at most `cap` keys pass.
     capped = ReusedGlobalThreshold.capped(ops, keys, to(np.array(1, np.int32)), 2)
     assert int(capped) == key_of(4.0)
