@@ -46,10 +46,11 @@ from horovod_sparse.common.engine_state import residual_share_among
 from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.stats import StepStats, dense_allreduce_stats
+from horovod_sparse.torch.ddp_checkpoint import GatheredState
 from horovod_sparse.torch.ddp_flight import BucketFuture, InFlight, Pending
 from horovod_sparse.torch.distributed import DistributedBackend, FP16Values
 
-__all__ = ["SparseState", "sparse_allreduce_hook"]
+__all__ = ["GatheredState", "SparseState", "sparse_allreduce_hook"]
 
 BACKEND = DistributedBackend()
 # The velocity key of the instance's first iteration, whose one bucket holds everything.

@@ -4,6 +4,7 @@ shared NumPy reference."""
 
 import io
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from horovod_sparse.common.config import budget
-from horovod_sparse.torch.ddp import SparseState, sparse_allreduce_hook
+from horovod_sparse.torch.ddp import GatheredState, SparseState, sparse_allreduce_hook
 from tests.reference import reference_step, uniform_boundaries
 
 if not dist.is_initialized():
@@ -219,6 +220,38 @@ def test_a_checkpoint_saved_by_rank_zero_counts_its_residuals_once():
             loaded = resumed.reducer(index, torch.zeros_like(owed)).residual.clone()
             dist.all_reduce(loaded)  # summed over ranks
             torch.testing.assert_close(loaded, owed, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_gathered_checkpoint_saved_by_rank_zero_resumes_exactly(momentum):
+    """Accelerate and Lightning save from rank 0 only. GatheredState brings every rank's
+    residuals and velocities into rank 0's checkpoint, and each rank loads its own part:
+    the resumed run is bit for bit the uninterrupted one, with no sharing warning."""
+    state = SparseState(density=0.05, min_sparse_numel=5000, momentum=momentum)
+    model, optimizer = make_run(state)
+    train(model, optimizer, range(4))
+    hook = GatheredState(state).state_dict()  # a collective: every rank calls it
+    saved = io.BytesIO()
+    if RANK == 0:
+        assert sorted(hook["parts"]) == list(range(SIZE))
+        checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        torch.save(dict(checkpoint, hook=hook), saved)
+    else:
+        assert list(hook["parts"]) == [RANK]  # its own part: only rank 0's is saved
+    shipped = [saved.getvalue()]
+    dist.broadcast_object_list(shipped, src=0)  # rank 0's file, read by every rank
+    train(model, optimizer, range(4, 8))
+    uninterrupted = flat_parameters(model)
+    checkpoint = torch.load(io.BytesIO(shipped[0]), weights_only=True)
+    resumed_state = SparseState(density=0.05, min_sparse_numel=5000, momentum=momentum)
+    GatheredState(resumed_state).load_state_dict(checkpoint["hook"])
+    resumed, resumed_optimizer = make_run(resumed_state)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its own residuals: nothing to share out
+        train(resumed, resumed_optimizer, range(4, 8))
+    assert torch.equal(flat_parameters(resumed), uninterrupted)
 
 
 def test_fp16_values_send_fewer_bytes_and_keep_every_entry():
