@@ -74,7 +74,7 @@ def test_a_reused_step_of_16_buckets_is_one_alltoall_and_one_allgather(
     name = "joined.count"
     step_fn = tape_step(name, join=True)
     before, reused, refreshed = None, 0, 0
-    for step in range(16):
+    for step in range(10):
         grads = grads_of(step)
         start = {kind: int(count.numpy()) for kind, count in collective_counts.items()}
         out = step_fn(*grads)
@@ -104,7 +104,7 @@ def test_joined_equals_one_exchange_per_bucket_bitwise():
     for join in (True, False):
         name = f"joined.same.{join}"
         step_fn = tape_step(name, join, FEWER)
-        outs[join] = [step_fn(*grads_of(step, FEWER)) for step in range(12)]
+        outs[join] = [step_fn(*grads_of(step, FEWER)) for step in range(8)]
         outs[join, "residuals"] = residuals_by_bucket(tape_reducer(name))
     for joined, alone in zip(outs[True], outs[False]):
         for a, b in zip(joined, alone):

@@ -46,7 +46,7 @@ def test_a_reused_step_of_16_buckets_is_one_alltoall_and_one_allgather(counted):
     buckets = sparse_buckets(opt, model)
     assert len(buckets) == BUCKETS
     reused = refreshed = 0
-    for step in range(24):
+    for step in range(12):
         fresh_grads(model, step)
         before = {b.name: r.double().clone() for b, r in zip(buckets, _residuals(opt, buckets))}
         grads = {b.name: flat(p.grad for p in b.params) for b in buckets}
@@ -97,7 +97,7 @@ def test_training_joined_equals_one_exchange_per_bucket_bitwise():
         model = model_of(6)
         opt = optimizer_of(model, join, f"joined.train.{join}", overlap_allgather=True, model=model)
         generator = torch.Generator().manual_seed(hvd.rank())
-        for _ in range(25):
+        for _ in range(12):
             x = torch.randn(8, SIDE, generator=generator)
             opt.zero_grad()
             model(x).pow(2).mean().backward()
