@@ -117,9 +117,8 @@ class Engine(EngineState):
         # The planned sparse steps share one alltoall and one allgather (common/joined.py).
         # Not the members of a run that fuses by a graph predicate: they step inside a
         # ``Backend.cond`` branch, which a collective shared with the rest cannot span.
-        graph_runs = [] if self.plan.runs_fuse is True else self.plan.fused_runs
         kinds = list(self.plan.kinds)
-        for index in (i for run in graph_runs for i in run):
+        for index in (i for run in self.plan.graph_runs for i in run):
             kinds[index] = None
         join_sparse_steps(self.ops, self.reducers, kinds)
         self.kinds = list(self.plan.kinds)
@@ -315,7 +314,7 @@ class Engine(EngineState):
     def _reduce_all(self, flats: Sequence[Tensor], finished: Finished | None) -> list[Tensor]:
         plan = self.open_step(gradients_in_residual=True)
         step = AllAtOnce(self, flats, finished)
-        graph_runs = [] if plan.runs_fuse is True else plan.fused_runs
+        graph_runs = plan.graph_runs
         in_graph_runs = {i for run in graph_runs for i in run}
         results: list[Any] = [None] * len(self.reducers)
         known = {i: kind for i, kind in enumerate(plan.kinds) if kind is not None}

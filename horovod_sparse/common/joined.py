@@ -132,7 +132,8 @@ class JoinedExchange:
     ) -> tuple[Tensor, Tensor, Any]:
         """Wait for the alltoall (once for all members) and sum each member's rows."""
         if self._owned is None:
-            ops = self._launched(self.scatter_handle, self._scatter_waits, "reduce-scatter")
+            self._check_launched(self.scatter_handle, self._scatter_waits, "reduce-scatter")
+            ops = self.ops
             rows, _ = ops.wait(self.scatter_handle)
             indices, wire_values = ops.unpack_rows(rows, self._wire_like)
             # Rows per member from the other ranks, for the records: member m's
@@ -163,13 +164,14 @@ class JoinedExchange:
     def gathered(self, member: SparseBucket) -> tuple[Tensor, Tensor]:
         """Wait for the allgather (once for all members): this member's rows."""
         if self._gathered is None:
-            ops = self._launched(self.gather_handle, self._gather_waits, "all-gather")
+            self._check_launched(self.gather_handle, self._gather_waits, "all-gather")
+            ops = self.ops
             indices, wire_values = ops.unpack_rows(ops.wait(self.gather_handle), self._wire_like)
             # Each rank's rows come in member order; across ranks they interleave.
             self._gathered = ops.cut_at(indices, wire_values, self.edges, ordered=False)
         return self._gathered[self._position[id(member)]]
 
-    def _launched(self, handle: Any, waits: set[int], what: str) -> Backend:
+    def _check_launched(self, handle: Any, waits: set[int], what: str) -> None:
         if handle is None:
             missing = ", ".join(self.members[m].name for m in sorted(waits))
             raise RuntimeError(
@@ -177,7 +179,6 @@ class JoinedExchange:
                 f"handed its rows in (missing: {missing}); every sparse bucket of the "
                 "step must be launched before any is finished"
             )
-        return self.ops
 
 
 def join_sparse_steps(

@@ -73,6 +73,12 @@ class StepPlan:
     fused_runs: list[list[int]] = field(default_factory=list)
     runs_fuse: Any = True
 
+    @property
+    def graph_runs(self) -> list[list[int]]:
+        """The fused runs whose fusing is a graph predicate: their members step inside a
+        ``Backend.cond`` branch (none when the runs fuse for certain)."""
+        return [] if self.runs_fuse is True else self.fused_runs
+
 
 def plan_step(
     ops: Backend,
