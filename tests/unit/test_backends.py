@@ -113,6 +113,27 @@ def test_regions(backend):
     np.testing.assert_array_equal(offsets, [0, 0, 0, 10, 10, 25, 25])
 
 
+@pytest.mark.parametrize(("offset", "numel"), [(0, 40), (0, 13), (9, 13), (27, 13)])
+def test_add_scaled_at_adds_a_slice_and_leaves_the_rest(backend, offset, numel):
+    ops, to, back = backend
+    rng = np.random.default_rng(offset + numel)
+    buffer = rng.standard_normal(40).astype(np.float32)
+    tensor = rng.standard_normal(numel).astype(np.float32)
+    want = buffer.copy()
+    want[offset : offset + numel] += np.float32(0.5) * tensor
+    got = back(ops.add_scaled_at_(to(buffer.copy()), offset, to(tensor), 0.5))
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_indices_at_least_take_the_edges_infinities_and_nan(backend, dtype):
+    ops, to, back = backend
+    values = np.array([0.5, 1.0, -1.0, 0.999, -0.999, np.nan, np.inf, -np.inf, 2.0, 0.0])
+    values = values.astype(dtype)
+    got = back(ops.indices_at_least(to(values), to(np.array(1.0, dtype))))
+    np.testing.assert_array_equal(got, [1, 2, 5, 6, 7, 8])
+
+
 def test_topk_indices_match_numpy(backend):
     ops, to, back = backend
     values = np.random.default_rng(1).standard_normal(5000).astype(np.float32)
