@@ -40,7 +40,9 @@ def benchmark_command(args: argparse.Namespace, density: float, result: Path) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--collective-ranks", default="2,3,4", help="sizes for the alpha-beta fit")
+    parser.add_argument(
+        "--collective-ranks", default="2,3,4", help='sizes for the alpha-beta fit ("": none)'
+    )
     parser.add_argument("--presets", default="1g,10g")
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--density", type=float, default=0.01)
@@ -62,7 +64,7 @@ def main() -> None:
     for preset in args.presets.split(","):
         link = LinkSpec(PRESETS[preset].rate, args.delay_ms)
         entry: dict = {"link": link.label, "ranks": args.ranks, "runs": {}, "collectives": []}
-        for size in (int(p) for p in args.collective_ranks.split(",")):
+        for size in (int(p) for p in args.collective_ranks.split(",") if p):
             with Cluster(size, link) as cluster:
                 micro = out.with_name(f"{out.name}.{link.label}.np{size}.collectives.json")
                 command = [sys.executable, str(HERE / "collectives.py"), str(micro)]

@@ -126,17 +126,7 @@ class TFBackend(HorovodPrimitives):
     def add_scaled_at_(
         self, buffer: tf.Tensor, offset: int, tensor: tf.Tensor, factor: float
     ) -> tf.Tensor:
-        flat = tf.cast(tf.reshape(tensor, [-1]), buffer.dtype)
-        if factor != 1.0:
-            flat = flat * factor
-        numel, whole = flat.shape.num_elements(), buffer.shape.num_elements()
-        if offset == 0 and numel is not None and numel == whole:
-            return buffer + flat
-        # Slices and one concat: tensor_scatter_nd_add over a range of positions copies
-        # the buffer and scatters element by element (0.53 s for 16M floats on one CPU
-        # thread, against 0.02 s for this).
-        end = offset + tf.size(flat)
-        return tf.concat([buffer[:offset], buffer[offset:end] + flat, buffer[end:]], 0)
+        return kernels.add_scaled_into_slice(buffer, offset, tensor, factor)
 
     def add_scaled(self, tensor: tf.Tensor, other: tf.Tensor, factor: float) -> tf.Tensor:
         return tensor + factor * other

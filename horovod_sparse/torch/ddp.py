@@ -14,6 +14,8 @@ average over the process group, as DDP's default hook returns.
 DDP rebuilds its buckets after the first iteration (in the order gradients became
 ready), so the first iteration is a plain allreduce, as PowerSGD's warm-up is: it leaves
 no residual behind, and from the second iteration on each bucket keeps its residual.
+Under ``find_unused_parameters=True`` DDP keeps its first buckets, and each is sparse
+from the first iteration (``ddp_layout.BucketLayout``).
 
 The exchanges overlap the backward pass: the hook launches its bucket's first collective
 (a sparse step's reduce-scatter, or the allreduce of a dense step) and returns the
@@ -40,21 +42,20 @@ from horovod_sparse.common.config import (
     make_config,
     optimizer_scales,
 )
-from horovod_sparse.common.correction import sgd_direction
 from horovod_sparse.common.engine import Engine
 from horovod_sparse.common.engine_state import residual_share_among
 from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.stats import StepStats, dense_allreduce_stats
 from horovod_sparse.torch.ddp_checkpoint import GatheredState
+from horovod_sparse.torch.ddp_correction import WHOLE, HookCorrection
 from horovod_sparse.torch.ddp_flight import BucketFuture, InFlight, Pending
+from horovod_sparse.torch.ddp_layout import BucketLayout
 from horovod_sparse.torch.distributed import DistributedBackend, FP16Values
 
 __all__ = ["GatheredState", "SparseState", "sparse_allreduce_hook"]
 
 BACKEND = DistributedBackend()
-# The velocity key of the instance's first iteration, whose one bucket holds everything.
-WHOLE = -1
 
 
 class SparseState:
@@ -73,6 +74,10 @@ class SparseState:
             the exchanged direction. At density 1 this is momentum SGD up to rounding.
             Without it, error feedback's late lumps meet the optimizer's momentum, which
             amplifies them (default 0: off; a hook cannot see the optimizer).
+        betas, eps: Adam's, run by the hook instead (``ddp_correction``): each rank keeps
+            its own moments and the exchange carries Adam's direction; the optimizer is
+            ``SGD(params, lr, weight_decay=wd)``: ``AdamW(params, lr, betas, eps, wd)``
+            where the ranks' gradients agree (default None: off).
         fp16_values: send the sparse buckets' values as fp16 (indices stay int32): 6
             bytes per kept entry instead of 8 in fp32. The rounding stays in the
             residual. The first iteration and buckets under ``min_sparse_numel`` go at
@@ -85,11 +90,9 @@ class SparseState:
             ``refresh_steps``, and ``min_sparse_numel`` (smaller buckets are averaged
             densely; default 1024).
 
-    Resuming: a new DDP instance reduces its first iteration in one bucket of every
-    parameter (its buckets are rebuilt afterwards), where the checkpointed run had its
-    rebuilt buckets. The layout is saved as each bucket's parameter positions in that
-    first bucket, so the resumed first iteration cuts it into the saved buckets and
-    reduces each with its own residual, as the uninterrupted run does.
+    Resuming: the layout is saved as each bucket's parameter positions
+    (``ddp_layout``); a resumed DDP instance's one first bucket is cut into the saved
+    buckets, each reduced with its own residual, as the uninterrupted run does.
     """
 
     def __init__(
@@ -99,47 +102,38 @@ class SparseState:
         *,
         momentum: float = 0.0,
         nesterov: bool = False,
+        betas: tuple[float, float] | None = None,
+        eps: float = 1e-8,
         fp16_values: bool = False,
         **options: Any,
     ) -> None:
-        for name, flag in (("fp16_values", fp16_values), ("nesterov", nesterov)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be True or False, not {flag!r}")
-        if not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be a number in [0, 1), not {momentum!r}")
-        if nesterov and momentum == 0.0:
-            raise ValueError("nesterov=True needs momentum > 0")
+        if not isinstance(fp16_values, bool):
+            raise TypeError(f"fp16_values must be True or False, not {fp16_values!r}")
+        correction = HookCorrection.checked(momentum, nesterov, betas, eps)
         config = make_config(dict(options, density=density))
         refuse_unsupported(config, Frontend.DDP_HOOK)
-        self._begin(config, process_group, float(momentum), nesterov, fp16_values)
+        self._begin(config, process_group, correction, fp16_values)
 
     def _begin(
-        self,
-        config: SparseConfig,
-        process_group: Any,
-        momentum: float,
-        nesterov: bool,
-        fp16_values: bool,
+        self, config: SparseConfig, group: Any, correction: HookCorrection, fp16_values: bool
     ) -> None:
         self.config = config
-        self.process_group = process_group
-        self.momentum = momentum
-        self.nesterov = nesterov
+        self.process_group = group
+        # SGD's momentum or Adam's moments per bucket index (WHOLE: the first iteration's).
+        self.correction = correction
         self.fp16_values = fp16_values
         self.iteration = 0
         self.reducers: dict[int, BucketReducer] = {}
         self._saved: dict[int, dict[str, Any]] = {}  # loaded, for buckets not yet reduced
-        # Each bucket's parameters, as positions in the instance's first (whole) bucket.
-        self.layout: dict[int, list[int]] = {}
-        self._positions: dict[int, int] = {}  # id(parameter) -> position, this instance
-        self._pieces: list[tuple[int, int]] = []  # per position: (offset, numel) in it
+        # Each bucket's parameters, as positions that survive a checkpoint.
+        self.layout = BucketLayout()
         self._last: dict[int, StepStats | None] = {}  # per bucket: dense figures, or None
-        # Momentum correction's velocity per bucket index (WHOLE: the first iteration's).
-        self.velocity: dict[int, torch.Tensor] = {}
         self._engines: dict[int, Engine] = {}  # one engine of one bucket per DDP bucket
         self._saver: dict[str, Any] | None = None  # who saved the loaded state
         self._share: float | None = None  # of the loaded residuals, once agreed
         self._flight = InFlight()  # exchanges in flight, in launch order
+        # A sparse whole bucket's residual, until the rebuilt buckets have taken it.
+        self._whole_residual: torch.Tensor | None = None
         # Who saved a checkpoint of this state: the residual policy (docs/design.md §6).
         self._owner_token = uuid.uuid4().hex
 
@@ -179,6 +173,8 @@ class SparseState:
             saved = self._saved.pop(index, None)
             if saved is not None:
                 reducer.load_state_dict(saved, share)
+            if self._whole_residual is not None:
+                reducer.residual = self.layout.cut(self._whole_residual, index)
             engine = self._engines[index] = Engine(BACKEND, [f"ddp.{index}"], [reducer])
             size = dist.get_world_size(self.process_group)
             engine.prescale, engine.postscale = optimizer_scales("average", size, 1.0)
@@ -221,8 +217,8 @@ class SparseState:
             "owner": self._owner_token,
             "iteration": self.iteration,
             "buckets": {**self._saved, **buckets},
-            "layout": {index: list(p) for index, p in self.layout.items()},
-            "velocity": dict(self.velocity),  # references, as torch optimizers' state
+            **self.layout.state_dict(),
+            **self.correction.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -235,27 +231,39 @@ class SparseState:
         )
         self.reducers, self._engines, self._share = {}, {}, None
         self._saved = {int(i): s for i, s in state["buckets"].items()}
-        self.layout = {int(i): [int(p) for p in ps] for i, ps in state["layout"].items()}
-        self.velocity = {int(i): v.clone() for i, v in state.get("velocity", {}).items()}
-        self._positions, self._pieces = {}, []  # the next call is a new DDP instance's first
+        self.layout.load_state_dict(state)  # the next call is a new DDP instance's first
+        self.correction.load_state_dict(state)
         self._last = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # A process group does not pickle: the unpickled state reduces over the default
         # group unless one is set (as PowerSGDState does).
+        correction = self.correction
         return {
             "config": self.config,
-            "momentum": self.momentum,
-            "nesterov": self.nesterov,
+            "momentum": correction.momentum,
+            "nesterov": correction.nesterov,
+            "betas": correction.betas,
+            "eps": correction.eps,
             "fp16_values": self.fp16_values,
             "saved": self.state_dict(),
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        names = {"momentum": 0.0, "nesterov": False, "fp16_values": False}
-        options = (state.get(name, default) for name, default in names.items())
-        self._begin(state["config"], None, *options)
+        names = {"momentum": 0.0, "nesterov": False, "betas": None, "eps": 1e-8}
+        correction = HookCorrection.checked(*(state.get(name, d) for name, d in names.items()))
+        self._begin(state["config"], None, correction, state.get("fp16_values", False))
         self.load_state_dict(state["saved"])
+
+    @property
+    def momentum(self) -> float:
+        return self.correction.momentum
+
+    @property
+    def velocity(self) -> dict[int, torch.Tensor]:
+        """SGD momentum correction's velocity per bucket index (-1: the whole first
+        bucket's), this rank's."""
+        return {key: kept[0] for key, kept in self.correction.kept.items() if self.momentum}
 
     # ---------------------------------------------------------------- one bucket
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -280,66 +288,56 @@ class SparseState:
             self._flight.fail(
                 RuntimeError("the previous backward pass ended before its last bucket")
             )
-        if not self._positions:
-            # A DDP instance's first iteration: one bucket of every parameter, rebuilt
-            # after it. With a saved layout (a resumed run), the saved buckets are cut
-            # out of it; else a dense average (the first iteration of a run, or a state
-            # saved before any sparse step: no residual exists yet).
-            if not (bucket.index() == 0 and bucket.is_last()):
-                raise RuntimeError(
-                    "the sparse hook expects DDP's first iteration in one bucket (DDP does "
-                    "so unless find_unused_parameters=True, which this hook does not support)"
-                )
-            self._positions = {id(p): i for i, p in enumerate(parameters)}
-            offset = 0
-            for p in parameters:
-                self._pieces.append((offset, p.numel()))
-                offset += p.numel()
-            if self.layout:
-                return self._replay(buffer)
-            self._correct(WHOLE, buffer)
-            return self._flight.track(self._dense(bucket.index(), buffer))
+        layout = self.layout
+        if not layout.started:
+            # A DDP instance's first call. DDP puts its first iteration in one bucket of
+            # every parameter and rebuilds the buckets after it, unless
+            # find_unused_parameters=True (without static_graph): then its buckets are
+            # fixed from the first iteration on, and each is sparse from the start.
+            layout.start(fixed=not (bucket.index() == 0 and bucket.is_last()))
+            if not layout.fixed and not layout.buckets:
+                # A dense average: the first iteration of a run, or of a state saved
+                # before any sparse step (no residual exists yet).
+                layout.positions(parameters)
+                self._correct(WHOLE, buffer)
+                return self._flight.track(self._dense(bucket.index(), buffer))
         index = bucket.index()
-        positions = [self._positions[id(p)] for p in parameters]
-        if positions != self.layout.get(index, positions) and (
-            index in self.reducers or index in self.velocity
+        positions = layout.positions(parameters)
+        if layout.whole_over_rebuilt(index, positions):
+            # One bucket of every parameter where buckets were rebuilt (a resumed run's
+            # first iteration; static_graph=True's second): cut into those buckets.
+            return self._replay(buffer)
+        if index == 0 and 0 in self.reducers and layout.rebuilt_from_whole(positions):
+            self._spread_whole()
+        if positions != layout.buckets.get(index, positions) and (
+            index in self.reducers or self.correction.holds(index) or index in self._saved
         ):
             raise RuntimeError(
                 f"DDP bucket {index} now holds other parameters than when the hook kept a "
                 "residual or velocity for it; they cannot be carried over"
             )
-        self.layout[index] = positions
-        whole = self.velocity.get(WHOLE)
-        if whole is not None and index not in self.velocity:
-            # The first rebuilt iteration: each bucket takes its parameters' velocity.
-            self.velocity[index] = self._cut(whole, index)
+        layout.buckets[index] = positions
+        # The first rebuilt iteration: each bucket takes its parameters' part.
+        self.correction.take_part(index, self.layout.cut)
         future = self._flight.track(self._sparse(index, buffer))
         if bucket.is_last():
-            self.velocity.pop(WHOLE, None)  # every bucket has taken its part
+            self.correction.drop_whole()  # every bucket has taken its part
+            self._whole_residual = None
         return future
 
-    def _cut(self, whole: torch.Tensor, index: int) -> torch.Tensor:
-        """Bucket ``index``'s entries of a tensor laid out as the first (whole) bucket."""
-        pieces = [self._pieces[i] for i in self.layout[index]]
-        return torch.cat([whole[a : a + n] for a, n in pieces])
+    def _spread_whole(self) -> None:
+        """DDP rebuilt its buckets after an iteration whose one whole bucket was sparse
+        (``static_graph=True`` rebuilds after its second iteration): the whole bucket's
+        residual and velocity are cut into the new buckets, as they arrive."""
+        self._engines.pop(0)
+        self._whole_residual = self.reducers.pop(0).residual
+        self.correction.rename(0, WHOLE)
+        self.layout.buckets = {}
 
     def _correct(self, key: int, buffer: torch.Tensor) -> None:
-        """With ``momentum``, replace the gradient in ``buffer`` by this rank's SGD
-        momentum direction (DGC's momentum correction), updating the velocity."""
-        if not self.momentum:
-            return
-        velocity = self.velocity.get(key)
-        if velocity is None:
-            velocity = self.velocity[key] = torch.zeros_like(buffer)  # u starts as g
-        elif velocity.numel() != buffer.numel():
-            raise RuntimeError(
-                f"DDP bucket {key} changed from {velocity.numel()} to {buffer.numel()} "
-                "entries after the hook kept a velocity for it; it cannot be carried over"
-            )
-        elif velocity.device != buffer.device or velocity.dtype != buffer.dtype:
-            velocity = self.velocity[key] = velocity.to(buffer)  # e.g. loaded on the CPU
-        direction, _ = sgd_direction(BACKEND, buffer, velocity, self.momentum, 0.0, self.nesterov)
-        buffer.copy_(direction)
+        """Replace the gradient in ``buffer`` by this rank's SGD momentum or Adam
+        direction, when the state has one (``ddp_correction.HookCorrection``)."""
+        self.correction.correct(key, buffer, self.iteration + 1)
 
     def _dense(self, index: int, buffer: torch.Tensor) -> Pending:
         """The first iteration's, or a small bucket's, average: an allreduce in place."""
@@ -357,12 +355,15 @@ class SparseState:
         """A sparse bucket's step, of the kind its engine's plan gives, launched on the
         bucket buffer (which the result is written into)."""
         self._correct(index, buffer)
+        whole = self._whole_residual
         if buffer.numel() < self.config.min_sparse_numel:
+            if whole is not None:
+                buffer.add_(self.layout.cut(whole, index))  # its part goes now, densely
             return self._dense(index, buffer)
         self._last[index] = None
         engine = self._engine(index, buffer)
         # Momentum factor masking: the entries sent leave the velocity too.
-        engine.mask_with(0, self.velocity.get(index))
+        engine.mask_with(0, self.correction.masked(index))
         engine.begin_step()
         engine.open_step()
         if not engine.gradients_in_buffer(0):
@@ -376,10 +377,11 @@ class SparseState:
         """A resumed instance's first iteration: the whole bucket cut into the saved
         buckets, each reduced with its own residual, in the saved index order; each
         piece's result is copied back into ``buffer``, whose future the last completes."""
-        pending = [self._sparse(index, self._cut(buffer, index)) for index in sorted(self.layout)]
+        cut = self.layout.cut
+        pending = [self._sparse(index, cut(buffer, index)) for index in sorted(self.layout.buckets)]
         for piece in pending:
             piece.paste = buffer
-            piece.pieces = [self._pieces[i] for i in self.layout[piece.index]]
+            piece.pieces = self.layout.pieces_of(piece.index)
         return self._flight.track(pending[-1])
 
 

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from horovod_sparse.common.config import budget
 from horovod_sparse.torch.ddp import GatheredState, SparseState, sparse_allreduce_hook
+from tests.ddp_models import Exact, gather
 from tests.reference import reference_step, uniform_boundaries
 
 if not dist.is_initialized():
@@ -22,26 +23,9 @@ RANK, SIZE = dist.get_rank(), dist.get_world_size()
 torch.set_num_threads(1)
 
 
-class Exact(torch.nn.Module):
-    """d(loss)/d(weight) is the given tensor exactly: the hook sees chosen gradients."""
-
-    def __init__(self, numel: int) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(numel))
-
-    def forward(self, grad: torch.Tensor) -> torch.Tensor:
-        return (self.weight * grad).sum()
-
-
 def local_grad(step: int, numel: int) -> torch.Tensor:
     rng = np.random.default_rng(1000 * step + RANK)
     return torch.from_numpy(rng.standard_normal(numel).astype(np.float32))
-
-
-def gather(tensor: torch.Tensor) -> list[np.ndarray]:
-    parts = [torch.empty_like(tensor) for _ in range(SIZE)]
-    dist.all_gather(parts, tensor.contiguous())
-    return [p.numpy().copy() for p in parts]
 
 
 def reduced_grad(model: DistributedDataParallel, grad: torch.Tensor) -> torch.Tensor:
@@ -142,14 +126,14 @@ def test_a_state_saved_before_any_sparse_step_resumes_densely(momentum):
     model, optimizer = make_run(state)
     train(model, optimizer, range(1))
     resumed_state = pickle.loads(pickle.dumps(state))
-    assert resumed_state.iteration == 1 and resumed_state.layout == {}
+    assert resumed_state.iteration == 1 and resumed_state.layout.buckets == {}
     resumed, resumed_optimizer = make_run(resumed_state)
     resumed.load_state_dict(model.state_dict())
     train(resumed, resumed_optimizer, range(1, 4))
     assert resumed_state.stats().sparse_buckets >= 2 and resumed_state.iteration == 4
     if momentum:
         assert -1 not in resumed_state.velocity  # the whole bucket's, cut into buckets
-        assert set(resumed_state.velocity) == set(resumed_state.layout)
+        assert set(resumed_state.velocity) == set(resumed_state.layout.buckets)
     flat = flat_parameters(resumed)
     for row in gather(flat):
         np.testing.assert_array_equal(row, flat.numpy())
