@@ -11,7 +11,8 @@ P-th training image from r; SGD with momentum 0.9, the learning rate scaled by P
 steps) and ``char_lm.py`` (random windows of standard-library sources per rank; AdamW,
 lr 1e-3, weight decay 0.01; 500 steps). With the sparse hook, SGD's momentum runs in the
 hook (momentum correction; ``--no-momentum-correction`` leaves it in the optimizer);
-AdamW has no such correction in the hook. Rank 0 prints the final metric and the bytes one
+``--adam-correction`` runs the char LM's AdamW in the hook too (``SparseState(betas=...)``,
+with ``SGD(weight_decay=...)`` stepping by the exchanged direction). Rank 0 prints the final metric and the bytes one
 rank sends and receives per step: measured by the sparse hook's ``stats()``; for
 allreduce and PowerSGD, those of the ring allreduces they issue (PowerSGD: P and Q of
 each matrix it compresses, at its rank, and the other tensors uncompressed).
@@ -98,8 +99,14 @@ class CharLM(Task):
     def model(self) -> torch.nn.Module:
         return char_lm.CharTransformer(self.context)
 
+    betas = (0.9, 0.999)  # AdamW's
+
     def optimizer(self, parameters: Any, size: int, momentum: float) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.01)
+        return torch.optim.AdamW(parameters, lr=1e-3, betas=self.betas, weight_decay=0.01)
+
+    def corrected_optimizer(self, parameters: Any) -> torch.optim.Optimizer:
+        """The optimizer when the hook runs AdamW: SGD's decay is AdamW's decoupled one."""
+        return torch.optim.SGD(parameters, lr=1e-3, weight_decay=0.01)
 
     def batches(self, rank: int, size: int, seed: int) -> Batches:
         draw = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -143,6 +150,11 @@ def main() -> None:
         action="store_true",
         help="--hook sparse: leave SGD's momentum in the optimizer (plain error feedback)",
     )
+    parser.add_argument(
+        "--adam-correction",
+        action="store_true",
+        help="--hook sparse, --task char_lm: AdamW runs in the hook (SparseState(betas=...))",
+    )
     parser.add_argument("--rank", type=int, default=2, help="--hook powersgd: matrix rank")
     parser.add_argument("--warmup", type=int, default=10, help="PowerSGD's dense iterations")
     parser.add_argument("--steps", type=int, default=None, help="default: the task's")
@@ -168,11 +180,17 @@ def main() -> None:
     if args.hook == "sparse":
         # Momentum correction: SGD's momentum runs in the hook, the optimizer has none.
         corrected = momentum if not args.no_momentum_correction else 0.0
-        state = SparseState(density=args.density, fp16_values=args.fp16_values, momentum=corrected)
+        adam = {"betas": task.betas} if args.adam_correction else {}
+        if adam and not isinstance(task, CharLM):
+            parser.error("--adam-correction needs --task char_lm (AdamW)")
+        state = SparseState(
+            density=args.density, fp16_values=args.fp16_values, momentum=corrected, **adam
+        )
         model.register_comm_hook(state, sparse_allreduce_hook)
         momentum -= corrected
         mode = f"sparse density {args.density}" + (" fp16" if args.fp16_values else "")
         mode += " no MC" if args.no_momentum_correction and task.momentum else ""
+        mode += " Adam in hook" if adam else ""
     elif args.hook == "powersgd":
         state = powersgd.PowerSGDState(
             process_group=None,
@@ -183,7 +201,10 @@ def main() -> None:
         mode = f"PowerSGD rank {args.rank}"
     else:
         mode = "DDP allreduce"
-    optimizer = task.optimizer(model.parameters(), size, momentum)
+    if args.hook == "sparse" and args.adam_correction:
+        optimizer = task.corrected_optimizer(model.parameters())
+    else:
+        optimizer = task.optimizer(model.parameters(), size, momentum)
 
     moved = []
     began = time.perf_counter()
