@@ -12,10 +12,11 @@ steps) and ``char_lm.py`` (random windows of standard-library sources per rank; 
 lr 1e-3, weight decay 0.01; 500 steps). With the sparse hook, SGD's momentum runs in the
 hook (momentum correction; ``--no-momentum-correction`` leaves it in the optimizer);
 ``--adam-correction`` runs the char LM's AdamW in the hook too (``SparseState(betas=...)``,
-with ``SGD(weight_decay=...)`` stepping by the exchanged direction). Rank 0 prints the final metric and the bytes one
-rank sends and receives per step: measured by the sparse hook's ``stats()``; for
-allreduce and PowerSGD, those of the ring allreduces they issue (PowerSGD: P and Q of
-each matrix it compresses, at its rank, and the other tensors uncompressed).
+with ``SGD(weight_decay=...)`` stepping by the exchanged direction). Rank 0 prints the
+final metric and the bytes one rank sends and receives per step: measured by the sparse
+hook's ``stats()``; for allreduce and PowerSGD, those of the ring allreduces they issue
+(PowerSGD: P and Q of each matrix it compresses, at its rank, and the other tensors
+uncompressed).
 """
 
 from __future__ import annotations
