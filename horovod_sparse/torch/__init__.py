@@ -24,6 +24,7 @@ from horovod_sparse.requirements import require_framework, require_horovod
 require_framework("torch")  # a clear error when PyTorch itself is missing
 
 from horovod_sparse.common.stats import StepStats
+from horovod_sparse.torch.gathered import GatheredState
 
 if TYPE_CHECKING:
     from horovod_sparse.torch.functions import (
@@ -51,8 +52,9 @@ _HOROVOD_NAMES = {
     "synchronize": "functions",
 }
 
-__all__ = [  # StepStats and _HOROVOD_NAMES (a unit test checks they agree)
+__all__ = [  # StepStats, GatheredState and _HOROVOD_NAMES (a unit test checks they agree)
     "DistributedOptimizer",
+    "GatheredState",
     "SparseHandle",
     "SparseOptimizerMixin",
     "StepStats",

@@ -47,11 +47,11 @@ from horovod_sparse.common.engine_state import residual_share_among
 from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.stats import StepStats, dense_allreduce_stats
-from horovod_sparse.torch.ddp_checkpoint import GatheredState
 from horovod_sparse.torch.ddp_correction import WHOLE, HookCorrection
 from horovod_sparse.torch.ddp_flight import BucketFuture, InFlight, Pending
 from horovod_sparse.torch.ddp_layout import BucketLayout
 from horovod_sparse.torch.distributed import DistributedBackend, FP16Values
+from horovod_sparse.torch.gathered import GatheredState
 
 __all__ = ["GatheredState", "SparseState", "sparse_allreduce_hook"]
 

@@ -6,7 +6,9 @@ tensors are all small. None may hang, and ranks must end with identical paramete
 """
 
 import copy
+import io
 import os
+import warnings
 
 import horovod.torch as hvd
 import pytest
@@ -299,3 +301,35 @@ def test_sparse_gradients_with_overlap_follow_the_plain_trajectory():
     plain, overlapped = run(False), run(True)
     assert torch.equal(plain, overlapped)
     assert_same_on_every_rank(overlapped, "sparse-grad.overlap")
+
+
+@pytest.mark.parametrize("config", ["sgd_corrected", "adam_corrected", "sgd_overlap"])
+def test_a_gathered_checkpoint_saved_by_rank_zero_resumes_exactly(config):
+    """Horovod's pattern, ``if hvd.rank() == 0: torch.save(...)``, with the optimizer's
+    state gathered first (``hvds.GatheredState``, called on every rank): every rank
+    loads rank 0's file, takes its own residuals and velocities or moments, and the run
+    goes on bit for bit as the uninterrupted one, with no residual-sharing warning."""
+    model, opt = build(config)
+    train(model, opt, 3)
+    gathered = hvds.GatheredState(opt).state_dict()  # a collective: every rank
+    file = io.BytesIO()
+    if hvd.rank() == 0:
+        assert sorted(gathered["parts"]) == list(range(hvd.size()))
+        torch.save({"model": model.state_dict(), "optimizer": gathered}, file)
+    else:
+        assert sorted(gathered["parts"]) == [hvd.rank()]  # its own part only
+    saved = hvd.broadcast_object(file.getvalue(), root_rank=0, name=f"gathered.{config}")
+    train(model, opt, 4, first=3)
+    opt.flush()
+    uninterrupted = flat_params(model)
+
+    model, opt = build(config, seed=hvd.rank())  # a new job
+    checkpoint = torch.load(io.BytesIO(saved), weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    hvds.GatheredState(opt).load_state_dict(checkpoint["optimizer"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "loaded another rank's residuals"
+        train(model, opt, 4, first=3)
+        opt.flush()
+    assert torch.equal(flat_params(model), uninterrupted)
+    assert_same_on_every_rank(uninterrupted, f"gathered.params.{config}")
