@@ -43,13 +43,14 @@ from horovod_sparse.common.config import (
     optimizer_scales,
 )
 from horovod_sparse.common.engine import Engine
-from horovod_sparse.common.engine_state import residual_share_among
 from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.stats import StepStats, dense_allreduce_stats
 from horovod_sparse.torch.ddp_correction import WHOLE, HookCorrection
 from horovod_sparse.torch.ddp_flight import BucketFuture, InFlight, Pending
 from horovod_sparse.torch.ddp_layout import BucketLayout
+from horovod_sparse.torch.ddp_saving import StateSaving
+from horovod_sparse.torch.ddp_scaling import LossScaling
 from horovod_sparse.torch.distributed import DistributedBackend, FP16Values
 from horovod_sparse.torch.gathered import GatheredState
 
@@ -58,7 +59,7 @@ __all__ = ["GatheredState", "SparseState", "sparse_allreduce_hook"]
 BACKEND = DistributedBackend()
 
 
-class SparseState:
+class SparseState(StateSaving):
     """The hook's state: the options, one reducer (and residual) per DDP bucket, the
     iteration count and the bucket layout. Pickles and has ``state_dict`` /
     ``load_state_dict``, so a checkpoint of it resumes exactly.
@@ -78,6 +79,8 @@ class SparseState:
             its own moments and the exchange carries Adam's direction; the optimizer is
             ``SGD(params, lr, weight_decay=wd)``: ``AdamW(params, lr, betas, eps, wd)``
             where the ranks' gradients agree (default None: off).
+        grad_scaler: the ``torch.amp.GradScaler`` of fp16 training: the hook works on
+            unscaled gradients and undoes a step the scaler will skip (``ddp_scaling``).
         fp16_values: send the sparse buckets' values as fp16 (indices stay int32): 6
             bytes per kept entry instead of 8 in fp32. The rounding stays in the
             residual. The first iteration and buckets under ``min_sparse_numel`` go at
@@ -105,6 +108,7 @@ class SparseState:
         betas: tuple[float, float] | None = None,
         eps: float = 1e-8,
         fp16_values: bool = False,
+        grad_scaler: Any = None,
         **options: Any,
     ) -> None:
         if not isinstance(fp16_values, bool):
@@ -113,6 +117,7 @@ class SparseState:
         config = make_config(dict(options, density=density))
         refuse_unsupported(config, Frontend.DDP_HOOK)
         self._begin(config, process_group, correction, fp16_values)
+        self.scaling: LossScaling | None = None if grad_scaler is None else LossScaling(grad_scaler)
 
     def _begin(
         self, config: SparseConfig, group: Any, correction: HookCorrection, fp16_values: bool
@@ -122,6 +127,7 @@ class SparseState:
         # SGD's momentum or Adam's moments per bucket index (WHOLE: the first iteration's).
         self.correction = correction
         self.fp16_values = fp16_values
+        self.scaling = None  # a GradScaler's (ddp_scaling); not pickled
         self.iteration = 0
         self.reducers: dict[int, BucketReducer] = {}
         self._saved: dict[int, dict[str, Any]] = {}  # loaded, for buckets not yet reduced
@@ -181,21 +187,6 @@ class SparseState:
             self.reducers[index] = reducer
         return engine
 
-    def _residual_share(self) -> float:
-        """The share of its loaded residuals this rank takes (docs/design.md §6,
-        ``residual_share_among``): every rank says whose residuals it loaded, in one
-        ``all_gather_object`` at the first sparse step after the state was made or
-        loaded (every rank runs it there, loaded or not), so that a checkpoint saved by
-        one rank and loaded by all (as Accelerate and Lightning save) counts its mass
-        once, and per-rank checkpoints restore exactly."""
-        if self._share is None:
-            saver = self._saver
-            mine = None if saver is None else (int(saver["rank"]), str(saver["owner"]))
-            everyone: list[Any] = [None] * dist.get_world_size(self.process_group)
-            dist.all_gather_object(everyone, mine, group=self.process_group)
-            self._share = residual_share_among(mine, everyone)
-        return self._share
-
     def stats(self) -> StepStats:
         """The last iteration's figures, summed over buckets (dense ones included);
         complete once the backward pass has returned (the last bucket's hook finished
@@ -204,56 +195,6 @@ class SparseState:
         for index, dense in self._last.items():
             total += dense if dense is not None else self.reducers[index].last_stats()
         return total
-
-    def state_dict(self) -> dict[str, Any]:
-        """Residuals, steps, layout and velocities (references, as torch optimizers'
-        state), and who saved them (rank, world size, this process), so that a
-        checkpoint saved by one rank and loaded by all counts its residual once."""
-        buckets = {index: r.state_dict() for index, r in self.reducers.items()}
-        initialized = dist.is_available() and dist.is_initialized()
-        return {
-            "rank": dist.get_rank(self.process_group) if initialized else 0,
-            "world_size": dist.get_world_size(self.process_group) if initialized else 1,
-            "owner": self._owner_token,
-            "iteration": self.iteration,
-            "buckets": {**self._saved, **buckets},
-            **self.layout.state_dict(),
-            **self.correction.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; each bucket's residual is taken at its next step
-        by the residual policy of docs/design.md §6 (a warning when this rank loads
-        another rank's residuals)."""
-        self.iteration = int(state["iteration"])
-        self._saver = (
-            {k: state[k] for k in ("rank", "world_size", "owner")} if "owner" in state else None
-        )
-        self.reducers, self._engines, self._share = {}, {}, None
-        self._saved = {int(i): s for i, s in state["buckets"].items()}
-        self.layout.load_state_dict(state)  # the next call is a new DDP instance's first
-        self.correction.load_state_dict(state)
-        self._last = {}
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A process group does not pickle: the unpickled state reduces over the default
-        # group unless one is set (as PowerSGDState does).
-        correction = self.correction
-        return {
-            "config": self.config,
-            "momentum": correction.momentum,
-            "nesterov": correction.nesterov,
-            "betas": correction.betas,
-            "eps": correction.eps,
-            "fp16_values": self.fp16_values,
-            "saved": self.state_dict(),
-        }
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        names = {"momentum": 0.0, "nesterov": False, "betas": None, "eps": 1e-8}
-        correction = HookCorrection.checked(*(state.get(name, d) for name, d in names.items()))
-        self._begin(state["config"], None, correction, state.get("fp16_values", False))
-        self.load_state_dict(state["saved"])
 
     @property
     def momentum(self) -> float:
@@ -299,8 +240,9 @@ class SparseState:
                 # A dense average: the first iteration of a run, or of a state saved
                 # before any sparse step (no residual exists yet).
                 layout.positions(parameters)
+                after = self._scaled(WHOLE, buffer, None)
                 self._correct(WHOLE, buffer)
-                return self._flight.track(self._dense(bucket.index(), buffer))
+                return self._flight.track(self._dense(bucket.index(), buffer, after))
         index = bucket.index()
         positions = layout.positions(parameters)
         if layout.whole_over_rebuilt(index, positions):
@@ -339,7 +281,14 @@ class SparseState:
         direction, when the state has one (``ddp_correction.HookCorrection``)."""
         self.correction.correct(key, buffer, self.iteration + 1)
 
-    def _dense(self, index: int, buffer: torch.Tensor) -> Pending:
+    def _scaled(self, key: int, buffer: torch.Tensor, reducer: Any) -> Any:
+        """With a GradScaler: ``buffer`` unscaled, and the completion that rescales the
+        result and undoes the step where the scaler will skip it (``ddp_scaling``)."""
+        if self.scaling is None:
+            return None
+        return self.scaling.begin(buffer, self.correction.tensors(key, buffer), reducer)
+
+    def _dense(self, index: int, buffer: torch.Tensor, after: Any = None) -> Pending:
         """The first iteration's, or a small bucket's, average: an allreduce in place."""
         size = dist.get_world_size(self.process_group)
         self._flight.advance()  # the earlier buckets' collectives first
@@ -349,19 +298,22 @@ class SparseState:
         itemsize = buffer.element_size()
         self._last[index] = dense_allreduce_stats(buffer.numel(), size, itemsize, itemsize)
         pending = Pending(index, work=work, wait_work=BACKEND.wait, poll_work=BACKEND.poll)
+        pending.after = after
         return self._flight.launched(pending)
 
     def _sparse(self, index: int, buffer: torch.Tensor) -> Pending:
         """A sparse bucket's step, of the kind its engine's plan gives, launched on the
         bucket buffer (which the result is written into)."""
+        small = buffer.numel() < self.config.min_sparse_numel
+        engine = None if small else self._engine(index, buffer)
+        after = self._scaled(index, buffer, None if engine is None else engine.sparse[0])
         self._correct(index, buffer)
         whole = self._whole_residual
-        if buffer.numel() < self.config.min_sparse_numel:
+        if engine is None:
             if whole is not None:
                 buffer.add_(self.layout.cut(whole, index))  # its part goes now, densely
-            return self._dense(index, buffer)
+            return self._dense(index, buffer, after)
         self._last[index] = None
-        engine = self._engine(index, buffer)
         # Momentum factor masking: the entries sent leave the velocity too.
         engine.mask_with(0, self.correction.masked(index))
         engine.begin_step()
@@ -371,7 +323,7 @@ class SparseState:
         self._flight.advance()  # the earlier buckets' collectives first
         handle = engine.launch(0, buffer)
         assert handle is not None, "one bucket: never a fused run"
-        return self._flight.launched(Pending(index, handle=handle))
+        return self._flight.launched(Pending(index, handle=handle, after=after))
 
     def _replay(self, buffer: torch.Tensor) -> BucketFuture:
         """A resumed instance's first iteration: the whole bucket cut into the saved

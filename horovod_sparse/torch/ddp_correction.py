@@ -73,7 +73,7 @@ class HookCorrection:
         (1-based), updating what is kept for ``key``."""
         if not self.names:
             return
-        kept = self._kept(key, buffer)
+        kept = self.tensors(key, buffer)
         if self.betas is not None:
             first, second = kept
             direction, _, _ = adam_direction(
@@ -83,7 +83,11 @@ class HookCorrection:
             direction, _ = sgd_direction(_OPS, buffer, kept[0], self.momentum, 0.0, self.nesterov)
         buffer.copy_(direction)
 
-    def _kept(self, key: int, buffer: torch.Tensor) -> list[torch.Tensor]:
+    def tensors(self, key: int, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """What is kept for ``key`` (made as zeros at its first use; none without a
+        correction), on ``buffer``'s device and dtype."""
+        if not self.names:
+            return []
         kept = self.kept.get(key)
         if kept is None:
             # Zeros: the velocity then starts as g, and the moments as Adam's do.

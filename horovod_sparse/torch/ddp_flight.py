@@ -44,7 +44,8 @@ class Pending:
     """Bucket ``index``'s exchange in flight: a sparse bucket's :class:`BucketHandle`,
     or the work of a dense allreduce in place; the future its result completes (None: a
     piece of a replayed bucket before its last); ``paste``: the whole first bucket that a
-    replayed piece's result is copied into, at ``pieces`` (offset, numel)."""
+    replayed piece's result is copied into, at ``pieces`` (offset, numel); ``after``:
+    what the result goes through first (``ddp_scaling.LossScaling``)."""
 
     index: int
     handle: BucketHandle | None = None
@@ -54,6 +55,7 @@ class Pending:
     future: BucketFuture | None = None
     paste: torch.Tensor | None = None
     pieces: list[tuple[int, int]] | None = None
+    after: Callable[[torch.Tensor], torch.Tensor] | None = None  # applied to the result
 
     def advance(self) -> None:
         """Finish a sparse step's reduce-scatter and launch its all-gather (issues
@@ -79,6 +81,8 @@ class Pending:
         """Take the result (pasted into the whole first bucket for a replayed piece) and
         set the future."""
         result = self.result()
+        if self.after is not None:
+            result = self.after(result)
         if self.paste is not None and self.pieces is not None:
             done = 0
             for a, n in self.pieces:

@@ -13,24 +13,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from horovod_sparse.torch.ddp import SparseState, sparse_allreduce_hook
-from tests.ddp_models import Exact, gather
+from tests.ddp_models import Exact, SmallNet, gather
 
 if not dist.is_initialized():
     dist.init_process_group("gloo")
 RANK, SIZE = dist.get_rank(), dist.get_world_size()
 torch.set_num_threads(1)
 BETAS, EPS, LR, WD = (0.9, 0.999), 1e-8, 1e-2, 0.05
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(32, 128)
-        self.b = torch.nn.Linear(128, 128)
-        self.c = torch.nn.Linear(128, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
 def batch(step: int, same: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +29,7 @@ def batch(step: int, same: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 def make_run(state):
     torch.manual_seed(0)
-    model = DistributedDataParallel(Net(), bucket_cap_mb=0.03)  # several buckets
+    model = DistributedDataParallel(SmallNet(), bucket_cap_mb=0.03)  # several buckets
     if state is None:
         return model, torch.optim.AdamW(model.parameters(), LR, BETAS, EPS, WD)
     model.register_comm_hook(state, sparse_allreduce_hook)
