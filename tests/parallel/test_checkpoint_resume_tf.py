@@ -3,6 +3,7 @@ interrupted: the density schedule (warm-up, decay), the partition, the selection
 the reused global threshold resume where they were, not from the start."""
 
 import os
+import pickle
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -120,3 +121,47 @@ def test_keras_resume_is_exact(route, tmp_path_factory):
     for a, b in zip(restored.trainable_variables, model.trainable_variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
     assert_identical(restored.trainable_variables, route)
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd_momentum", "adam"])
+def test_rank_zeros_keras_file_with_the_gathered_state_resumes_exactly(
+    optimizer_name, tmp_path_factory
+):
+    """Horovod's Keras pattern: rank 0 alone writes the ``.keras`` file, with every
+    rank's sparse state gathered next to it (``hvds_keras.GatheredState``, a collective);
+    every rank loads that file, takes its own residuals, velocities or moments and local
+    thresholds back, and the run goes on bit for bit as the uninterrupted one."""
+    wrapped = (
+        keras.optimizers.SGD(0.05, momentum=0.9)
+        if optimizer_name == "sgd_momentum"
+        else keras.optimizers.Adam(1e-3)
+    )
+    model = make_model()
+    optimizer = hvds_keras.DistributedOptimizer(wrapped, **OPTIONS)
+    model.compile(
+        optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    fit(model, 0, SAVED_AT)
+    gathered = hvds_keras.GatheredState(optimizer).state_dict()  # every rank
+    folder = str(tmp_path_factory.mktemp("gathered")) if hvd.rank() == 0 else None
+    folder = hvd.broadcast_object(folder, root_rank=0, name=f"gathered.dir.{optimizer_name}")
+    if hvd.rank() == 0:
+        assert sorted(gathered["parts"]) == list(range(hvd.size()))
+        model.save(f"{folder}/model.keras")
+        with open(f"{folder}/sparse_state.pkl", "wb") as out:
+            pickle.dump(gathered, out)
+    else:
+        assert sorted(gathered["parts"]) == [hvd.rank()]
+    hvd.allreduce(tf.zeros([1]), name=f"gathered.saved.{optimizer_name}")  # files written
+    fit(model, SAVED_AT, RESUMED_FOR)
+
+    restored = keras.models.load_model(f"{folder}/model.keras")  # rank 0's, on every rank
+    with open(f"{folder}/sparse_state.pkl", "rb") as saved:
+        hvds_keras.GatheredState(restored.optimizer).load_state_dict(pickle.load(saved))
+    mine = gathered["parts"][hvd.rank()]  # this rank's own state at the save, not rank 0's
+    for name, variable in restored.optimizer.state_variables().items():
+        np.testing.assert_array_equal(variable.numpy(), mine[name], err_msg=name)
+    fit(restored, SAVED_AT, RESUMED_FOR)
+    for a, b in zip(restored.trainable_variables, model.trainable_variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+    assert_identical(restored.trainable_variables, f"gathered.{optimizer_name}")

@@ -77,6 +77,41 @@ def test_exact_selection_matches_reference_and_keeps_every_entry(partition):
     assert state.stats().sparse_buckets == 1 and state.iteration == 6
 
 
+def test_no_sync_accumulation_reduces_the_summed_micro_batches_and_keeps_their_mass():
+    """Gradient accumulation: the first micro-batch under ``no_sync`` (DDP calls no hook,
+    the gradient stays local), the second reduced. The hook reduces the sum of both: at
+    density 1 it equals DDP's own allreduce; sparse, the residuals plus P times the result
+    are what every rank owed plus both micro-batches, every step."""
+    numel = 20_000
+    default, dense_hook, sparse = (DistributedDataParallel(Exact(numel)) for _ in range(3))
+    dense_hook.register_comm_hook(SparseState(density=1.0), sparse_allreduce_hook)
+    state = SparseState(density=0.02)
+    sparse.register_comm_hook(state, sparse_allreduce_hook)
+
+    def accumulated(model: DistributedDataParallel, step: int) -> torch.Tensor:
+        model.zero_grad()
+        with model.no_sync():
+            model(local_grad(step, numel)).backward()
+        model(local_grad(100 + step, numel)).backward()
+        return model.module.weight.grad.detach().clone()
+
+    before = torch.zeros(numel)
+    for step in range(5):
+        expected = accumulated(default, step)
+        torch.testing.assert_close(accumulated(dense_hook, step), expected, rtol=0, atol=1e-6)
+        got = accumulated(sparse, step)
+        if step == 0:  # DDP's first iteration: the plain average, nothing kept
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+            continue
+        owed = np.sum(gather(before + local_grad(step, numel) + local_grad(100 + step, numel)), 0)
+        after = state.reducers[0].residual.clone()
+        assert 0 < np.count_nonzero(got.numpy()) < numel  # sparse, not dense
+        kept_and_sent = np.sum(gather(after), axis=0) + SIZE * got.numpy()
+        np.testing.assert_allclose(kept_and_sent, owed, atol=1e-4)
+        before = after
+    assert state.iteration == 5
+
+
 class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
