@@ -45,9 +45,9 @@ from horovod_sparse.common.config import (
 from horovod_sparse.common.engine import Engine
 from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.pipeline import BucketReducer
-from horovod_sparse.common.stats import StepStats, dense_allreduce_stats
+from horovod_sparse.common.stats import StepStats, allreduce_ring_bytes, dense_allreduce_stats
 from horovod_sparse.torch.ddp_correction import WHOLE, HookCorrection
-from horovod_sparse.torch.ddp_flight import BucketFuture, InFlight, Pending
+from horovod_sparse.torch.ddp_flight import BucketFuture, DenseSlots, InFlight, Pending
 from horovod_sparse.torch.ddp_layout import BucketLayout
 from horovod_sparse.torch.ddp_saving import StateSaving
 from horovod_sparse.torch.ddp_scaling import LossScaling
@@ -90,8 +90,8 @@ class SparseState(StateSaving):
             :class:`~horovod_sparse.common.config.SparseConfig`: ``selection``,
             ``partition``, ``reestimate_steps``, ``repartition_steps``, ``warmup_steps``,
             ``density_decay_steps``, ``error_feedback``, ``global_selection``,
-            ``refresh_steps``, and ``min_sparse_numel`` (smaller buckets are averaged
-            densely; default 1024).
+            ``refresh_steps``, and ``min_sparse_numel`` (smaller buckets, and a sparse
+            bucket's smaller parameters, are averaged densely; default 1024).
 
     Resuming: the layout is saved as each bucket's parameter positions
     (``ddp_layout``); a resumed DDP instance's one first bucket is cut into the saved
@@ -134,6 +134,10 @@ class SparseState(StateSaving):
         # Each bucket's parameters, as positions that survive a checkpoint.
         self.layout = BucketLayout()
         self._last: dict[int, StepStats | None] = {}  # per bucket: dense figures, or None
+        # Per sparse bucket: its small parameters' positions (for a layout) and the
+        # figures of their allreduce.
+        self._slots: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self._slot_stats: dict[int, StepStats] = {}
         self._engines: dict[int, Engine] = {}  # one engine of one bucket per DDP bucket
         self._saver: dict[str, Any] | None = None  # who saved the loaded state
         self._share: float | None = None  # of the loaded residuals, once agreed
@@ -193,7 +197,11 @@ class SparseState(StateSaving):
         every bucket)."""
         total = StepStats()
         for index, dense in self._last.items():
-            total += dense if dense is not None else self.reducers[index].last_stats()
+            if dense is not None:
+                total += dense
+            else:
+                total += self.reducers[index].last_stats()
+                total += self._slot_stats.get(index, StepStats())
         return total
 
     @property
@@ -316,6 +324,11 @@ class SparseState(StateSaving):
         self._last[index] = None
         # Momentum factor masking: the entries sent leave the velocity too.
         engine.mask_with(0, self.correction.masked(index))
+        positions = self._small_slots(index, buffer)
+        values = None
+        if positions is not None:  # averaged on their own: the exchange sees zeros there
+            values = buffer.index_select(0, positions)
+            buffer.index_fill_(0, positions, 0.0)
         engine.begin_step()
         engine.open_step()
         if not engine.gradients_in_buffer(0):
@@ -323,7 +336,37 @@ class SparseState(StateSaving):
         self._flight.advance()  # the earlier buckets' collectives first
         handle = engine.launch(0, buffer)
         assert handle is not None, "one bucket: never a fused run"
-        return self._flight.launched(Pending(index, handle=handle, after=after))
+        pending = Pending(index, handle=handle, after=after)
+        if positions is not None and values is not None:
+            pending.slots = self._average_slots(index, positions, values)
+        return self._flight.launched(pending)
+
+    def _small_slots(self, index: int, buffer: torch.Tensor) -> torch.Tensor | None:
+        """The positions in sparse bucket ``index`` of its parameters under
+        ``min_sparse_numel``, or None where it has none (cached per layout)."""
+        key = tuple(self.layout.buckets[index])
+        cached = self._slots.get(index)
+        if cached is None or cached[0] != key or cached[1].device != buffer.device:
+            slots = self.layout.small_slots(index, self.config.min_sparse_numel)
+            positions = torch.tensor(slots, dtype=torch.long, device=buffer.device)
+            cached = self._slots[index] = (key, positions)
+        return cached[1] if cached[1].numel() else None
+
+    def _average_slots(
+        self, index: int, positions: torch.Tensor, values: torch.Tensor
+    ) -> DenseSlots:
+        """Launch the average of a sparse bucket's small parameters: an allreduce of
+        their entries alone, after the bucket's own first collective."""
+        size = dist.get_world_size(self.process_group)
+        work = BACKEND.allreduce_sum_inplace_async(
+            values.div_(size), f"hvds.ddp.{index}.small", self.process_group
+        )
+        itemsize = values.element_size()
+        sent, received = allreduce_ring_bytes(values.numel(), size, itemsize)
+        self._slot_stats[index] = StepStats(
+            bytes_sent=sent, bytes_received=received, selected=values.numel()
+        )
+        return DenseSlots(positions, values, work, BACKEND.wait, BACKEND.poll)
 
     def _replay(self, buffer: torch.Tensor) -> BucketFuture:
         """A resumed instance's first iteration: the whole bucket cut into the saved

@@ -19,7 +19,7 @@ import torch
 
 from horovod_sparse.common.handle import BucketHandle
 
-__all__ = ["BucketFuture", "InFlight", "Pending"]
+__all__ = ["BucketFuture", "DenseSlots", "InFlight", "Pending"]
 
 
 class BucketFuture(torch.futures.Future[torch.Tensor]):
@@ -40,12 +40,31 @@ class BucketFuture(torch.futures.Future[torch.Tensor]):
 
 
 @dataclass
+class DenseSlots:
+    """The entries of a sparse bucket that are averaged densely (the parameters under
+    ``min_sparse_numel``: biases, norms), as the Horovod optimizer reduces small tensors:
+    their positions in the bucket, their values, in flight in an allreduce of their own."""
+
+    positions: torch.Tensor
+    values: torch.Tensor
+    work: Any
+    wait_work: Callable[[Any], torch.Tensor]
+    poll_work: Callable[[Any], bool]
+
+    def paste(self, result: torch.Tensor) -> None:
+        """Wait for the average and write it into the bucket's result."""
+        self.wait_work(self.work)
+        result.index_copy_(0, self.positions, self.values)
+
+
+@dataclass
 class Pending:
     """Bucket ``index``'s exchange in flight: a sparse bucket's :class:`BucketHandle`,
     or the work of a dense allreduce in place; the future its result completes (None: a
     piece of a replayed bucket before its last); ``paste``: the whole first bucket that a
     replayed piece's result is copied into, at ``pieces`` (offset, numel); ``after``:
-    what the result goes through first (``ddp_scaling.LossScaling``)."""
+    what the result goes through first (``ddp_scaling.LossScaling``), after ``slots``
+    are pasted in."""
 
     index: int
     handle: BucketHandle | None = None
@@ -56,6 +75,7 @@ class Pending:
     paste: torch.Tensor | None = None
     pieces: list[tuple[int, int]] | None = None
     after: Callable[[torch.Tensor], torch.Tensor] | None = None  # applied to the result
+    slots: DenseSlots | None = None  # a sparse bucket's densely averaged entries
 
     def advance(self) -> None:
         """Finish a sparse step's reduce-scatter and launch its all-gather (issues
@@ -65,6 +85,8 @@ class Pending:
 
     def ready(self) -> bool:
         """Whether the result can be taken without a collective or a wait."""
+        if self.slots is not None and not self.slots.poll_work(self.slots.work):
+            return False
         if self.handle is not None:
             return not self.handle.scattering and self.handle.poll()
         assert self.poll_work is not None, "a dense allreduce is polled by its backend"
@@ -81,6 +103,8 @@ class Pending:
         """Take the result (pasted into the whole first bucket for a replayed piece) and
         set the future."""
         result = self.result()
+        if self.slots is not None:
+            self.slots.paste(result)
         if self.after is not None:
             result = self.after(result)
         if self.paste is not None and self.pieces is not None:

@@ -74,6 +74,17 @@ class BucketLayout:
         """Bucket ``index``'s parameters' ``(offset, numel)`` in a whole first bucket."""
         return [self.pieces[i] for i in self.buckets[index]]
 
+    def small_slots(self, index: int, below: int) -> list[int]:
+        """The entries of bucket ``index`` that belong to parameters of fewer than
+        ``below`` entries (biases, norms), as positions in the bucket."""
+        slots: list[int] = []
+        start = 0
+        for _, numel in self.pieces_of(index):
+            if numel < below:
+                slots.extend(range(start, start + numel))
+            start += numel
+        return slots
+
     def cut(self, whole: torch.Tensor, index: int) -> torch.Tensor:
         """Bucket ``index``'s entries of a tensor laid out as the whole first bucket."""
         return torch.cat([whole[a : a + n] for a, n in self.pieces_of(index)])
