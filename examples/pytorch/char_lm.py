@@ -144,6 +144,7 @@ def main() -> None:
     draw = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
     curve: list[dict[str, float]] = []
     moved = []
+    evaluating = 0.0  # seconds spent evaluating: not training time
     began = time.perf_counter()
     for step in range(args.steps):
         starts = torch.randint(
@@ -160,9 +161,14 @@ def main() -> None:
             stats = optimizer.stats()
             moved.append(stats.bytes_sent + stats.bytes_received)
         if step % args.eval_every == 0 or step == args.steps - 1:
+            paused = time.perf_counter()
             train_loss = hvd.allreduce(loss.detach(), name="train_loss").item()
             val = validation_loss(model, val_text, args.context)
-            curve.append({"step": step, "train_loss": train_loss, "val_loss": val})
+            seconds = paused - began - evaluating  # training time so far
+            curve.append(
+                {"step": step, "seconds": seconds, "train_loss": train_loss, "val_loss": val}
+            )
+            evaluating += time.perf_counter() - paused
             if hvd.rank() == 0:
                 print(
                     f"[{mode}] step {step:4d} train {train_loss:.4f} val {val:.4f} "

@@ -161,6 +161,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="default: the task's")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's, every bucket")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--eval-every", type=int, default=0, help="record the metric every N steps (0: at the end)"
+    )
     parser.add_argument("--json", default=None, help="write the summary here (rank 0)")
     args = parser.parse_args()
 
@@ -207,7 +210,10 @@ def main() -> None:
     else:
         optimizer = task.optimizer(model.parameters(), size, momentum)
 
+    curve_key = task.metric.removeprefix("final_")  # as char_lm.py and digits_cnn.py name it
     moved = []
+    curve: list[dict[str, float]] = []  # the metric against steps and training seconds
+    evaluating = 0.0  # seconds spent evaluating: not training time
     began = time.perf_counter()
     for step, (x, y) in zip(range(steps), task.batches(rank, size, args.seed)):
         optimizer.zero_grad()
@@ -221,12 +227,18 @@ def main() -> None:
             moved.append(powersgd_bytes(model.module, args.rank, size))
         else:
             moved.append(dense_bytes)
-    seconds = time.perf_counter() - began
+        if args.eval_every and step % args.eval_every == 0 and step != steps - 1:
+            paused = time.perf_counter()
+            metric = task.evaluate(model.module)
+            curve.append({"step": step, "seconds": paused - began - evaluating, curve_key: metric})
+            evaluating += time.perf_counter() - paused
+    seconds = time.perf_counter() - began - evaluating
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     parts = [torch.empty_like(flat) for _ in range(size)]
     dist.all_gather(parts, flat)
     spread = max(float((part - flat).abs().max()) for part in parts)
     final = task.evaluate(model.module)
+    curve.append({"step": steps - 1, "seconds": seconds, curve_key: final})
     summary = {
         "task": f"{args.task}_ddp",
         "mode": mode,
@@ -240,11 +252,12 @@ def main() -> None:
         "dense_bytes_per_step": dense_bytes,
         "parameter_spread": spread,
         "seconds": seconds,
+        "curve": curve,
     }
     if args.task == "char_lm":
         summary["final_val_perplexity"] = math.exp(final)
     if rank == 0:
-        print(json.dumps(summary), flush=True)
+        print(json.dumps({k: v for k, v in summary.items() if k != "curve"}), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(summary))
     # destroy_process_group is no barrier (examples/pytorch/quickstart_ddp.py says why).

@@ -160,6 +160,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
         writer = SummaryWriter(args.tensorboard)
+    evaluating = 0.0  # seconds spent evaluating: not training time
     began = time.perf_counter()
     for step, (x, y) in zip(range(args.steps), data):
         optimizer.zero_grad()
@@ -175,13 +176,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             write_stats(writer, step, optimizer, moved[-1], dense_bytes, loss.item())
         last = step == args.steps - 1
         if step % args.eval_every == 0 or last:
+            paused = time.perf_counter()
             train_loss = hvd.allreduce(loss.detach(), name="train_loss").item()
             point = {
                 "step": step,
+                "seconds": paused - began - evaluating,  # training time so far
                 "train_loss": train_loss,
                 "test_acc": accuracy(model, x_test, y_test),
             }
             curve.append(point)
+            evaluating += time.perf_counter() - paused
             if hvd.rank() == 0:
                 print(
                     f"[{mode}] step {step:4d} loss {train_loss:.4f} "
