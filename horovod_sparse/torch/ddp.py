@@ -45,12 +45,13 @@ from horovod_sparse.common.config import (
 from horovod_sparse.common.engine import Engine
 from horovod_sparse.common.options import Frontend, refuse_unsupported
 from horovod_sparse.common.pipeline import BucketReducer
-from horovod_sparse.common.stats import StepStats, allreduce_ring_bytes, dense_allreduce_stats
+from horovod_sparse.common.stats import StepStats, dense_allreduce_stats
 from horovod_sparse.torch.ddp_correction import WHOLE, HookCorrection
-from horovod_sparse.torch.ddp_flight import BucketFuture, DenseSlots, InFlight, Pending
+from horovod_sparse.torch.ddp_flight import BucketFuture, InFlight, Pending
 from horovod_sparse.torch.ddp_layout import BucketLayout
 from horovod_sparse.torch.ddp_saving import StateSaving
 from horovod_sparse.torch.ddp_scaling import LossScaling
+from horovod_sparse.torch.ddp_small import SmallParameters
 from horovod_sparse.torch.distributed import DistributedBackend, FP16Values
 from horovod_sparse.torch.gathered import GatheredState
 
@@ -134,10 +135,8 @@ class SparseState(StateSaving):
         # Each bucket's parameters, as positions that survive a checkpoint.
         self.layout = BucketLayout()
         self._last: dict[int, StepStats | None] = {}  # per bucket: dense figures, or None
-        # Per sparse bucket: its small parameters' positions (for a layout) and the
-        # figures of their allreduce.
-        self._slots: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
-        self._slot_stats: dict[int, StepStats] = {}
+        # A sparse bucket's parameters under min_sparse_numel, averaged densely.
+        self.small = SmallParameters(BACKEND, config.min_sparse_numel)
         self._engines: dict[int, Engine] = {}  # one engine of one bucket per DDP bucket
         self._saver: dict[str, Any] | None = None  # who saved the loaded state
         self._share: float | None = None  # of the loaded residuals, once agreed
@@ -200,8 +199,9 @@ class SparseState(StateSaving):
             if dense is not None:
                 total += dense
             else:
-                total += self.reducers[index].last_stats()
-                total += self._slot_stats.get(index, StepStats())
+                record = self.reducers[index].last_stats()
+                total += record
+                total += self.small.figures(index, record)
         return total
 
     @property
@@ -312,7 +312,13 @@ class SparseState(StateSaving):
     def _sparse(self, index: int, buffer: torch.Tensor) -> Pending:
         """A sparse bucket's step, of the kind its engine's plan gives, launched on the
         bucket buffer (which the result is written into)."""
-        small = buffer.numel() < self.config.min_sparse_numel
+        positions = self.small.positions(index, self.layout, buffer.device)
+        # A bucket of small parameters only is averaged densely, as a small bucket is,
+        # unless it already keeps a residual (a state saved under another setting).
+        kept = index in self.reducers or index in self._saved
+        small = buffer.numel() < self.config.min_sparse_numel or (
+            positions.numel() == buffer.numel() and not kept
+        )
         engine = None if small else self._engine(index, buffer)
         after = self._scaled(index, buffer, None if engine is None else engine.sparse[0])
         self._correct(index, buffer)
@@ -323,50 +329,30 @@ class SparseState(StateSaving):
             return self._dense(index, buffer, after)
         self._last[index] = None
         # Momentum factor masking: the entries sent leave the velocity too.
-        engine.mask_with(0, self.correction.masked(index))
-        positions = self._small_slots(index, buffer)
-        values = None
-        if positions is not None:  # averaged on their own: the exchange sees zeros there
-            values = buffer.index_select(0, positions)
-            buffer.index_fill_(0, positions, 0.0)
+        velocity = self.correction.masked(index)
+        engine.mask_with(0, velocity)
+        # Small parameters are averaged on their own (ddp_small): the exchange sees zeros.
+        values = self.small.take(buffer, positions) if positions.numel() else None
         engine.begin_step()
         engine.open_step()
         if not engine.gradients_in_buffer(0):
             engine.accumulate(0, buffer, 0)  # error feedback, into the residual
+            if values is not None:
+                self.small.take_residual(engine.sparse[0].residual, positions, values)
+        kept_velocity = None
+        if values is not None and velocity is not None:
+            kept_velocity = velocity.index_select(0, positions)
         self._flight.advance()  # the earlier buckets' collectives first
         handle = engine.launch(0, buffer)
         assert handle is not None, "one bucket: never a fused run"
+        if kept_velocity is not None and velocity is not None:
+            velocity.index_copy_(0, positions, kept_velocity)  # not sent by the exchange
         pending = Pending(index, handle=handle, after=after)
-        if positions is not None and values is not None:
-            pending.slots = self._average_slots(index, positions, values)
+        self.small.forget(index)
+        if values is not None:
+            size = dist.get_world_size(self.process_group)
+            pending.slots = self.small.launch(index, positions, values, self.process_group, size)
         return self._flight.launched(pending)
-
-    def _small_slots(self, index: int, buffer: torch.Tensor) -> torch.Tensor | None:
-        """The positions in sparse bucket ``index`` of its parameters under
-        ``min_sparse_numel``, or None where it has none (cached per layout)."""
-        key = tuple(self.layout.buckets[index])
-        cached = self._slots.get(index)
-        if cached is None or cached[0] != key or cached[1].device != buffer.device:
-            slots = self.layout.small_slots(index, self.config.min_sparse_numel)
-            positions = torch.tensor(slots, dtype=torch.long, device=buffer.device)
-            cached = self._slots[index] = (key, positions)
-        return cached[1] if cached[1].numel() else None
-
-    def _average_slots(
-        self, index: int, positions: torch.Tensor, values: torch.Tensor
-    ) -> DenseSlots:
-        """Launch the average of a sparse bucket's small parameters: an allreduce of
-        their entries alone, after the bucket's own first collective."""
-        size = dist.get_world_size(self.process_group)
-        work = BACKEND.allreduce_sum_inplace_async(
-            values.div_(size), f"hvds.ddp.{index}.small", self.process_group
-        )
-        itemsize = values.element_size()
-        sent, received = allreduce_ring_bytes(values.numel(), size, itemsize)
-        self._slot_stats[index] = StepStats(
-            bytes_sent=sent, bytes_received=received, selected=values.numel()
-        )
-        return DenseSlots(positions, values, work, BACKEND.wait, BACKEND.poll)
 
     def _replay(self, buffer: torch.Tensor) -> BucketFuture:
         """A resumed instance's first iteration: the whole bucket cut into the saved
