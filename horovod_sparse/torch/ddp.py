@@ -339,19 +339,18 @@ class SparseState(StateSaving):
             engine.accumulate(0, buffer, 0)  # error feedback, into the residual
             if values is not None:
                 self.small.take_residual(engine.sparse[0].residual, positions, values)
-        kept_velocity = None
-        if values is not None and velocity is not None:
-            kept_velocity = velocity.index_select(0, positions)
+        # Their velocity is not sent by the exchange: kept from its masking.
+        kept_velocity = None if values is None or velocity is None else velocity[positions]
         self._flight.advance()  # the earlier buckets' collectives first
         handle = engine.launch(0, buffer)
         assert handle is not None, "one bucket: never a fused run"
-        if kept_velocity is not None and velocity is not None:
-            velocity.index_copy_(0, positions, kept_velocity)  # not sent by the exchange
         pending = Pending(index, handle=handle, after=after)
-        self.small.forget(index)
-        if values is not None:
-            size = dist.get_world_size(self.process_group)
-            pending.slots = self.small.launch(index, positions, values, self.process_group, size)
+        if values is None:
+            self.small.forget(index)
+            return self._flight.launched(pending)
+        if velocity is not None and kept_velocity is not None:
+            velocity.index_copy_(0, positions, kept_velocity)
+        pending.slots = self.small.launch(index, positions, values, self.process_group)
         return self._flight.launched(pending)
 
     def _replay(self, buffer: torch.Tensor) -> BucketFuture:

@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from horovod_sparse.common.stats import StepStats, allreduce_ring_bytes
 from horovod_sparse.torch.ddp_flight import DenseSlots
@@ -67,10 +68,11 @@ class SmallParameters:
         residual.index_fill_(0, positions, 0.0)
 
     def launch(
-        self, index: int, positions: torch.Tensor, values: torch.Tensor, group: Any, size: int
+        self, index: int, positions: torch.Tensor, values: torch.Tensor, group: Any
     ) -> DenseSlots:
         """Launch their average: an allreduce of their entries alone."""
         backend = self.backend
+        size = dist.get_world_size(group)
         name = f"hvds.ddp.{index}.small"
         work = backend.allreduce_sum_inplace_async(values.div_(size), name, group)
         sent, received = allreduce_ring_bytes(values.numel(), size, values.element_size())
