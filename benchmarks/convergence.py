@@ -12,6 +12,10 @@ run, the curves as PNG, and a markdown table of final accuracy / loss and bytes 
         --out results/convergence_3000 --plots results/convergence_3000  # longer runs
     python benchmarks/convergence.py --tasks digits,keras_digits --modes dense,0.01 \
         --seeds 0,1,2                                      # the digits gap over seeds
+    python benchmarks/convergence.py --tasks char_lm --sizes 2 --modes dense,0.01,0.1,0.5 \
+        --out results/char_lm_ablation --plots docs/accuracy/char_lm_ablation
+                                                           # the char LM ablation (more modes
+                                                           # in MODES; char_lm only)
 
 With several seeds, every (task, P, mode) runs once per seed (the seed sets the initial
 weights and each rank's data order) and a second table gives each seed's final value,
@@ -78,7 +82,23 @@ MODES = {
     "0.01": ["--density", "0.01"],
     "0.001": ["--density", "0.001"],
     "0.01-no-ef": ["--density", "0.01", "--no-error-feedback"],
+    # The char LM's ablation (docs/accuracy.md, "The language model's gap"): what moves
+    # its 500-step gap. Warm-up: dense steps, then a geometric density decay.
+    "0.1": ["--density", "0.1"],
+    "0.5": ["--density", "0.5"],
+    "0.1-no-mc": ["--density", "0.1", "--no-momentum-correction"],
+    "0.5-no-mc": ["--density", "0.5", "--no-momentum-correction"],
+    "0.01-no-mc": ["--density", "0.01", "--no-momentum-correction"],
+    "0.01-exact": ["--density", "0.01", "--global-selection", "exact"],
+    "0.01-decay100": ["--density", "0.01", "--decay-steps", "100"],
+    "0.01-decay200": ["--density", "0.01", "--decay-steps", "200"],
+    "0.01-warm25-decay75": ["--density", "0.01", "--warmup-steps", "25", "--decay-steps", "75"],
+    "0.01-warm50-decay150": ["--density", "0.01", "--warmup-steps", "50", "--decay-steps", "150"],
+    "0.01-warm100-decay100": ["--density", "0.01", "--warmup-steps", "100", "--decay-steps", "100"],
 }
+
+
+DEFAULT_MODES = ("dense", "0.01", "0.001", "0.01-no-ef")
 
 
 def result_path(out: Path, name: str, size: int, mode: str, seed: int) -> Path:
@@ -238,7 +258,7 @@ def main() -> None:  # noqa: C901 - a script's linear flow: arguments, runs, tab
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--sizes", default="2,4")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES))
     parser.add_argument("--out", default=str(ROOT / "results" / "convergence"))
     parser.add_argument("--plots", default=str(ROOT / "docs" / "accuracy"))
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
@@ -256,6 +276,9 @@ def main() -> None:  # noqa: C901 - a script's linear flow: arguments, runs, tab
         tasks = [dataclasses.replace(task, steps=args.steps) for task in tasks]
     sizes = [int(s) for s in args.sizes.split(",")]
     modes = args.modes.split(",")
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
     seeds = [int(s) for s in args.seeds.split(",")]
     if not args.report_only:
         for seed in seeds:

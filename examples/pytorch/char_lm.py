@@ -110,6 +110,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=0, help="dense steps first")
     parser.add_argument("--decay-steps", type=int, default=0, help="density decay after warm-up")
+    parser.add_argument(
+        "--no-momentum-correction", action="store_true", help="ablation: AdamW on the average"
+    )
+    parser.add_argument("--global-selection", default="reuse", help="reuse or exact")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--json", default=None, help="write the curves here (rank 0)")
@@ -136,6 +140,8 @@ def main() -> None:
             error_feedback=not args.no_error_feedback,
             warmup_steps=args.warmup_steps,
             density_decay_steps=args.decay_steps,
+            momentum_correction=False if args.no_momentum_correction else None,
+            global_selection=args.global_selection,
         )
         mode = f"density {args.density}" + (" no EF" if args.no_error_feedback else "")
     numel = sum(p.numel() for p in model.parameters())
