@@ -3,14 +3,16 @@ gradients needs to reach the validation metric that dense Horovod ends with.
 
 Every mode of a task trains the same model on the same data order with the same
 hyperparameters and seeds: dense Horovod (``hvd.DistributedOptimizer``), the sparse
-Horovod optimizer with its defaults, the sparse DDP hook (with the task's optimizer run in
-the hook: SGD momentum for digits, AdamW for the char LM), and PowerSGD rank 1 and 4
-under DDP. Each run records its validation metric every ``--eval-every`` steps against the
-seconds spent training so far (evaluation left out). Per seed, the target is dense's
+Horovod optimizer with its defaults, DDP's own allreduce, the sparse DDP hook (with the
+task's optimizer run in the hook: SGD momentum for digits, AdamW for the char LM), and
+PowerSGD rank 1 and 4 under DDP (Keras digits: dense and sparse only). Each run
+records its validation metric every ``--eval-every`` steps against the seconds spent
+training so far (evaluation left out). Per seed, the target is dense's
 final metric on that seed; a mode's time to it is the first evaluation that reaches it.
 
     python benchmarks/time_to_accuracy.py --tasks char_lm --sizes 2 --seeds 0   # 3 minutes
     python benchmarks/time_to_accuracy.py         # char_lm, digits; P = 2, 4; seeds 0-2
+    python benchmarks/time_to_accuracy.py --tasks keras_digits   # Keras model.fit (no DDP)
     sudo -E .venv/bin/python benchmarks/time_to_accuracy.py --links loopback,1g,10g
     python benchmarks/time_to_accuracy.py --sizes 2 --reuse  # rerun only the missing runs
 
@@ -72,6 +74,8 @@ def modes(task: str, example: str, hook_options: tuple[str, ...]) -> tuple[Mode,
     return (
         Mode(DENSE, horovod, ("--density", "1.0"), "horovod"),
         Mode("sparse (defaults)", horovod, (), "horovod"),
+        # DDP's own dense allreduce: the DDP rows' baseline without Horovod's runtime.
+        Mode("DDP allreduce", ddp, (*common, "--hook", "allreduce"), "torch"),
         Mode("DDP sparse hook", ddp, (*common, "--hook", "sparse", *hook_options), "torch"),
         Mode("PowerSGD rank 1", ddp, (*common, "--hook", "powersgd", "--rank", "1"), "torch"),
         Mode("PowerSGD rank 4", ddp, (*common, "--hook", "powersgd", "--rank", "4"), "torch"),
@@ -79,6 +83,7 @@ def modes(task: str, example: str, hook_options: tuple[str, ...]) -> tuple[Mode,
 
 
 DENSE = "dense Horovod"
+KERAS_DIGITS = "examples/tensorflow2/keras_digits.py"
 TASKS = {
     # AdamW: run by the hook too (--adam-correction); SGD momentum: the hook's by default.
     "char_lm": Task(
@@ -90,6 +95,18 @@ TASKS = {
     ),
     "digits": Task(
         "digits", "test_acc", "test accuracy (%)", True, modes("digits", "digits_cnn.py", ())
+    ),
+    # Keras 3 model.fit: no DDP. Horovod's own Keras binding does not take Keras 3, so the
+    # dense row is the Keras adapter at density 1, which reduces with hvd.allreduce.
+    "keras_digits": Task(
+        "keras_digits",
+        "test_acc",
+        "test accuracy (%)",
+        True,
+        (
+            Mode(DENSE, KERAS_DIGITS, ("--density", "1.0"), "horovod"),
+            Mode("sparse (defaults)", KERAS_DIGITS, (), "horovod"),
+        ),
     ),
 }
 

@@ -86,6 +86,11 @@ class Monitor(keras.callbacks.Callback):
         super().__init__()
         self.args, self.mode, self.x_test, self.y_test = args, mode, x_test, y_test
         self.step, self.moved, self.curve = 0, [], []
+        self.began = time.perf_counter()
+        self.evaluating = 0.0  # seconds spent evaluating: not training time
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.began = time.perf_counter()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         s = self.model.optimizer.stats()
@@ -93,11 +98,14 @@ class Monitor(keras.callbacks.Callback):
         step, self.step = self.step, self.step + 1
         if step % self.args.eval_every and step != self.args.steps - 1:
             return
+        paused = time.perf_counter()
+        seconds = paused - self.began - self.evaluating  # training time so far
         mine = tf.convert_to_tensor(logs["batch_loss"], tf.float32)
         loss = float(hvd.allreduce(mine, name="train_loss"))
         predicted = np.argmax(self.model(self.x_test, training=False), -1)
         acc = 100.0 * float(np.mean(predicted == self.y_test))
-        self.curve.append({"step": step, "train_loss": loss, "test_acc": acc})
+        self.curve.append({"step": step, "seconds": seconds, "train_loss": loss, "test_acc": acc})
+        self.evaluating += time.perf_counter() - paused
         if hvd.rank() == 0:
             print(
                 f"[{self.mode}] step {step:4d} loss {loss:.4f} "

@@ -53,9 +53,12 @@ def test_higher_is_better_for_accuracy(tta):
     assert not tta.TASKS["char_lm"].reached(2.6, 2.5)
 
 
-def test_every_task_trains_dense_horovod_first_and_the_ddp_hook(tta):
+def test_every_task_trains_dense_horovod_first_and_every_torch_task_the_ddp_hook(tta):
     for task in tta.TASKS.values():
         names = [mode.name for mode in task.modes]
-        assert names[0] == tta.DENSE and "DDP sparse hook" in names, names
+        assert names[0] == tta.DENSE and "sparse (defaults)" in names, names
+        torch_task = all("pytorch" in mode.script for mode in task.modes)
+        assert torch_task == ("DDP sparse hook" in names), names
         for mode in task.modes:
             assert (ROOT / mode.script).is_file(), mode.script
+    assert "tensorflow2" in tta.TASKS["keras_digits"].modes[0].script
