@@ -4,8 +4,9 @@ Each file is launched once per world size with ``horovodrun -np N -H localhost:N
 (``test_ddp*.py``: ``torchrun --standalone --nproc-per-node N``, as DDP jobs launch);
 every rank runs pytest on the file and writes a JUnit report. A test passes at size N
 only if it passed on every rank. Skipped tests, missing reports (a crashed rank) and
-launches that exceed the timeout count as failures. Prints a pytest-style closing line
-and exits non-zero on any failure.
+launches that exceed the timeout count as failures. Each rank gets the cores shared
+among the ranks as its thread count, as ``torchrun`` gives (``rank_threads``). Prints a
+pytest-style closing line and exits non-zero on any failure.
 
 Usage: python -m tests.run_parallel [-k EXPR] [--sizes 2,3,4] [--timeout 420] [FILES...]
 """
@@ -58,6 +59,25 @@ def parse_reports(report_dir: Path, world_size: int) -> tuple[dict[str, str], li
     return outcomes, problems
 
 
+def rank_threads(world_size: int) -> dict[str, str]:
+    """Intra-op threads per rank, as ``torchrun`` sets them for a multi-rank job: the
+    cores this process may use, shared among the ranks (a value already set stands).
+
+    ``horovodrun`` sets none, and ranks that each start a thread per core preempt one
+    another: ``test_overlap_torch.py`` at 4 ranks on 2 cores took 168 s at torch's
+    default threads and 44 s at one. The plugin's own sizing of its kernels' threads
+    (``torch/threads.py``) is tested in ``tests/unit/test_threads.py``."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    per_rank = str(max(1, cores // world_size))
+    return {
+        name: os.environ.get(name, per_rank)
+        for name in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS")
+    }
+
+
 def launch(
     path: Path, world_size: int, timeout: float, keyword: str | None
 ) -> tuple[int, int, list[str]]:
@@ -75,6 +95,7 @@ def launch(
         if keyword:
             cmd += ["-k", keyword]
         env = dict(os.environ, PYTHONPATH=str(ROOT), HOROVOD_SPARSE_TEST_WORLD_SIZE=str(world_size))
+        env.update(rank_threads(world_size))
         start = time.monotonic()
         proc = subprocess.Popen(
             cmd,
