@@ -95,6 +95,13 @@ MODES = {
     "0.01-warm25-decay75": ["--density", "0.01", "--warmup-steps", "25", "--decay-steps", "75"],
     "0.01-warm50-decay150": ["--density", "0.01", "--warmup-steps", "50", "--decay-steps", "150"],
     "0.01-warm100-decay100": ["--density", "0.01", "--warmup-steps", "100", "--decay-steps", "100"],
+    # Which tensors: those under the size go dense (20000: the embedding, the head and the
+    # attention's output projections; 50000: the attention's input projections too).
+    "0.01-min10k": ["--density", "0.01", "--min-sparse-numel", "10000"],
+    "0.01-min20k": ["--density", "0.01", "--min-sparse-numel", "20000"],
+    "0.01-min50k": ["--density", "0.01", "--min-sparse-numel", "50000"],
+    # A bucket per tensor: each tensor its own top-k.
+    "0.01-per-tensor": ["--density", "0.01", "--fusion-threshold-bytes", "1024"],
 }
 
 

@@ -114,6 +114,12 @@ def main() -> None:
         "--no-momentum-correction", action="store_true", help="ablation: AdamW on the average"
     )
     parser.add_argument("--global-selection", default="reuse", help="reuse or exact")
+    parser.add_argument(
+        "--min-sparse-numel", type=int, default=1024, help="smaller tensors go dense"
+    )
+    parser.add_argument(
+        "--fusion-threshold-bytes", type=int, default=None, help="sparse bucket capacity"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--json", default=None, help="write the curves here (rank 0)")
@@ -142,6 +148,8 @@ def main() -> None:
             density_decay_steps=args.decay_steps,
             momentum_correction=False if args.no_momentum_correction else None,
             global_selection=args.global_selection,
+            min_sparse_numel=args.min_sparse_numel,
+            fusion_threshold_bytes=args.fusion_threshold_bytes,
         )
         mode = f"density {args.density}" + (" no EF" if args.no_error_feedback else "")
     numel = sum(p.numel() for p in model.parameters())
