@@ -67,11 +67,9 @@ def rank_threads(world_size: int) -> dict[str, str]:
     another: ``test_overlap_torch.py`` at 4 ranks on 2 cores took 168 s at torch's
     default threads and 44 s at one. The plugin's own sizing of its kernels' threads
     (``torch/threads.py``) is tested in ``tests/unit/test_threads.py``."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    per_rank = str(max(1, cores // world_size))
+    from horovod_sparse.torch.threads import cores_available  # imports torch: here only
+
+    per_rank = str(max(1, cores_available() // world_size))
     return {
         name: os.environ.get(name, per_rank)
         for name in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS")
