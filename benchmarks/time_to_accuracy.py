@@ -15,6 +15,8 @@ final metric on that seed; a mode's time to it is the first evaluation that reac
     python benchmarks/time_to_accuracy.py --tasks keras_digits   # Keras model.fit (no DDP)
     sudo -E .venv/bin/python benchmarks/time_to_accuracy.py --links loopback,1g,10g
     python benchmarks/time_to_accuracy.py --sizes 2 --reuse  # rerun only the missing runs
+    sudo -E .venv/bin/python benchmarks/time_to_accuracy.py --tasks wide_mlp --sizes 4 \
+        --links 1g --eval-every 25 --modes "sparse (defaults),DDP sparse hook"   # 25.6M
 
 ``1g`` and ``10g`` run every rank in its own network namespace on a shaped link
 (``benchmarks/cluster/``, root only: without root those links are skipped with a
@@ -95,6 +97,10 @@ TASKS = {
     ),
     "digits": Task(
         "digits", "test_acc", "test accuracy (%)", True, modes("digits", "digits_cnn.py", ())
+    ),
+    # 25.6M parameters: the task where bytes matter (run it with --eval-every 25).
+    "wide_mlp": Task(
+        "wide_mlp", "test_acc", "test accuracy (%)", True, modes("wide_mlp", "wide_mlp.py", ())
     ),
     # Keras 3 model.fit: no DDP. Horovod's own Keras binding does not take Keras 3, so the
     # dense row is the Keras adapter at density 1, which reduces with hvd.allreduce.
@@ -263,6 +269,17 @@ def plot(task: Task, size: int, link: str, runs: dict[str, list[dict]], path: Pa
     plt.close(figure)
 
 
+def chosen_modes(tasks: list[Task], names: str | None) -> set[str]:
+    """The modes to train: ``names`` (comma-separated) and dense, or every mode of ``tasks``."""
+    known = {mode.name for task in tasks for mode in task.modes}
+    if names is None:
+        return known
+    chosen = {DENSE, *names.split(",")}
+    if chosen - known:
+        raise SystemExit(f"unknown modes {sorted(chosen - known)}: one of {sorted(known)}")
+    return chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default="char_lm,digits")
@@ -276,7 +293,15 @@ def main() -> None:
         "--reuse", action="store_true", help="take runs whose JSON is under --out already"
     )
     parser.add_argument("--plots", type=Path, default=None, help="default: --out")
+    parser.add_argument(
+        "--modes",
+        default=None,
+        help="only these modes, by name, comma-separated (default: all of each task's); "
+        f"{DENSE!r} runs always: its final metric is the target",
+    )
     args = parser.parse_args()
+    tasks = [TASKS[name] for name in args.tasks.split(",")]
+    chosen = chosen_modes(tasks, args.modes)
     args.out.mkdir(parents=True, exist_ok=True)
     plots = args.plots or args.out
     plots.mkdir(parents=True, exist_ok=True)
@@ -290,13 +315,14 @@ def main() -> None:
         links = [link for link in links if link == "loopback"]
     seeds = [int(s) for s in args.seeds.split(",")]
     rows = []
-    for task in (TASKS[name] for name in args.tasks.split(",")):
+    for task in tasks:
         for size in (int(s) for s in args.sizes.split(",")):
             for link in links:
                 setting = Setting(size, link, args.eval_every, args.timeout, args.out)
                 runs = {
                     mode.name: [train(task, mode, setting, seed, args.reuse) for seed in seeds]
                     for mode in task.modes
+                    if mode.name in chosen
                 }
                 found = summarize(task, size, link, runs)
                 rows += found

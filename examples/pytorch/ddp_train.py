@@ -1,5 +1,6 @@
-"""The digits CNN or the char LM under ``DistributedDataParallel``, with DDP's allreduce,
-PowerSGD or the sparse hook, launched as DDP jobs are (no Horovod needed):
+"""The digits CNN, the char LM or the wide MLP under ``DistributedDataParallel``, with
+DDP's allreduce, PowerSGD or the sparse hook, launched as DDP jobs are (no Horovod
+needed):
 
     torchrun --standalone --nproc-per-node 2 examples/pytorch/ddp_train.py --hook sparse
     torchrun --standalone --nproc-per-node 2 examples/pytorch/ddp_train.py --hook powersgd
@@ -8,9 +9,11 @@ PowerSGD or the sparse hook, launched as DDP jobs are (no Horovod needed):
 
 The data, model and optimizer are those of ``digits_cnn.py`` (rank r trains on every
 P-th training image from r; SGD with momentum 0.9, the learning rate scaled by P; 600
-steps) and ``char_lm.py`` (random windows of standard-library sources per rank; AdamW,
-lr 1e-3, weight decay 0.01; 500 steps). With the sparse hook, SGD's momentum runs in the
-hook (momentum correction; ``--no-momentum-correction`` leaves it in the optimizer);
+steps), ``char_lm.py`` (random windows of standard-library sources per rank; AdamW,
+lr 1e-3, weight decay 0.01; 500 steps) and ``wide_mlp.py`` (the 25.6M-parameter MLP on
+a Gaussian mixture; batch 16, SGD with momentum 0.9 at 0.0025 scaled by P; 250 steps).
+With the sparse hook, SGD's momentum runs in the hook (momentum correction;
+``--no-momentum-correction`` leaves it in the optimizer);
 ``--adam-correction`` runs the char LM's AdamW in the hook too (``SparseState(betas=...)``,
 with ``SGD(weight_decay=...)`` stepping by the exchanged direction). Rank 0 prints the
 final metric and the bytes one rank sends and receives per step: measured by the sparse
@@ -38,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import char_lm
 import digits_cnn
+import wide_mlp
 
 from horovod_sparse.common.stats import allreduce_ring_bytes
 from horovod_sparse.torch.ddp import SparseState, sparse_allreduce_hook
@@ -70,6 +74,7 @@ class Task:
 
 class Digits(Task):
     steps, metric, momentum = 600, "final_test_acc", 0.9
+    batch_size, lr = 32, 0.02  # per rank; the learning rate is scaled by P
 
     def __init__(self) -> None:
         self.x_train, self.y_train, self.x_test, self.y_test = digits_cnn.load_split()
@@ -78,12 +83,12 @@ class Digits(Task):
         return digits_cnn.DigitsCNN()
 
     def optimizer(self, parameters: Any, size: int, momentum: float) -> torch.optim.Optimizer:
-        return torch.optim.SGD(parameters, lr=0.02 * size, momentum=momentum)
+        return torch.optim.SGD(parameters, lr=self.lr * size, momentum=momentum)
 
     def batches(self, rank: int, size: int, seed: int) -> Batches:
         order = torch.Generator().manual_seed(seed * 1000 + rank)
         mine = self.x_train[rank::size], self.y_train[rank::size]
-        return digits_cnn.batches(*mine, 32, order)
+        return digits_cnn.batches(*mine, self.batch_size, order)
 
     def evaluate(self, model: torch.nn.Module) -> float:
         return digits_cnn.accuracy(model, self.x_test, self.y_test)
@@ -124,7 +129,20 @@ class CharLM(Task):
         return char_lm.validation_loss(model, self.val_text, self.context)
 
 
-TASKS: dict[str, Callable[[], Task]] = {"digits": Digits, "char_lm": CharLM}
+class WideMLP(Digits):
+    """A classifier trained as the digits CNN is, with wide_mlp.py's model and data."""
+
+    steps = wide_mlp.DEFAULTS["steps"]
+    batch_size, lr = wide_mlp.DEFAULTS["batch_size"], wide_mlp.DEFAULTS["lr"]
+
+    def __init__(self) -> None:
+        self.x_train, self.y_train, self.x_test, self.y_test = wide_mlp.load_split()
+
+    def model(self) -> torch.nn.Module:
+        return wide_mlp.model()
+
+
+TASKS: dict[str, Callable[[], Task]] = {"digits": Digits, "char_lm": CharLM, "wide_mlp": WideMLP}
 
 
 def powersgd_bytes(model: torch.nn.Module, rank: int, size: int) -> int:

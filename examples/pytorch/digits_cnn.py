@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -101,7 +101,8 @@ def write_stats(
         writer.add_scalar("exchange/global_refreshes", s.global_refreshes, step)
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
+def parse(argv: list[str] | None = None, **defaults: Any) -> argparse.Namespace:
+    """The command line; ``defaults`` override the digits task's (another task's script)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--no-error-feedback", action="store_true", help="ablation")
@@ -119,21 +120,31 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "needs `pip install tensorboard`)",
     )
     parser.add_argument("--log-every", type=int, default=0, help="the optimizer's log_every")
+    parser.set_defaults(**defaults)
     return parser.parse_args(argv)
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Train on this rank (Horovod initialised here); return the run's summary."""
+Split = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def train(
+    args: argparse.Namespace,
+    model_class: Callable[[], torch.nn.Module] = DigitsCNN,
+    split: Callable[[], Split] = load_split,
+    task: str = "digits_cnn",
+) -> dict[str, Any]:
+    """Train a classifier on this rank (Horovod initialised here); return the run's
+    summary. The digits CNN by default; ``wide_mlp.py`` passes its model and data."""
     # Imported here: ddp_train.py takes the model and data from this module without Horovod.
     import horovod.torch as hvd
 
     hvd.init()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    x_train, y_train, x_test, y_test = load_split()
+    x_train, y_train, x_test, y_test = split()
     x_mine, y_mine = x_train[hvd.rank() :: hvd.size()], y_train[hvd.rank() :: hvd.size()]
 
-    model = DigitsCNN()
+    model = model_class()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=args.momentum)
     if args.density >= 1.0:
@@ -204,7 +215,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         .item()
     )
     summary = {
-        "task": "digits_cnn",
+        "task": task,
         "mode": mode,
         "density": args.density,
         "error_feedback": not args.no_error_feedback,

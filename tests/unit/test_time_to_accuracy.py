@@ -62,3 +62,32 @@ def test_every_task_trains_dense_horovod_first_and_every_torch_task_the_ddp_hook
         for mode in task.modes:
             assert (ROOT / mode.script).is_file(), mode.script
     assert "tensorflow2" in tta.TASKS["keras_digits"].modes[0].script
+
+
+def test_a_subset_of_modes_always_trains_dense_and_refuses_unknown_names(tta):
+    tasks = [tta.TASKS["wide_mlp"]]
+    every = {mode.name for mode in tasks[0].modes}
+    assert tta.chosen_modes(tasks, None) == every
+    assert tta.chosen_modes(tasks, "sparse (defaults)") == {tta.DENSE, "sparse (defaults)"}
+    with pytest.raises(SystemExit, match="unknown modes"):
+        tta.chosen_modes(tasks, "sparse")
+
+
+def test_the_wide_mlp_task_has_25m_parameters_and_the_same_data_on_every_rank():
+    spec = importlib.util.spec_from_file_location(
+        "wide_mlp", ROOT / "examples" / "pytorch" / "wide_mlp.py"
+    )
+    wide_mlp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wide_mlp)
+    parameters = sum(p.numel() for p in wide_mlp.model().parameters())
+    assert parameters == 25_583_716
+    first, second = wide_mlp.load_split(), wide_mlp.load_split()
+    for a, b in zip(first, second):
+        assert a.equal(b)
+    x_train, y_train, x_test, y_test = first
+    assert x_train.shape == (16_384, 2048) and x_test.shape == (4_096, 2048)
+    assert y_test.shape == (4_096,)
+    assert set(y_train.tolist()) == set(range(100)) and not x_train[:4096].equal(x_test)
+    args = wide_mlp.digits_cnn.parse([], **wide_mlp.DEFAULTS)
+    assert (args.steps, args.batch_size, args.lr, args.eval_every) == (250, 16, 0.0025, 25)
+    assert wide_mlp.digits_cnn.parse([]).steps == 600  # the digits task's own defaults
