@@ -27,6 +27,7 @@ import torch
 import horovod_sparse.torch as hvds
 from horovod_sparse.common.stats import allreduce_ring_bytes
 
+SETTLED = 50  # steps after which the refresh fraction and kept count are summarized
 TRAIN_MODULES = [
     "argparse.py",
     "collections/__init__.py",
@@ -155,6 +156,12 @@ def main() -> None:
     numel = sum(p.numel() for p in model.parameters())
     dense_bytes = sum(allreduce_ring_bytes(numel, hvd.size(), 4))
 
+    # k of the sparse tensors (one bucket at the default fusion threshold), so that the
+    # global selection's kept count can be read against it (tensors under
+    # min_sparse_numel are averaged densely and counted whole in stats().selected).
+    sparse_numel = sum(p.numel() for p in model.parameters() if p.numel() >= args.min_sparse_numel)
+    budget = math.ceil(args.density * sparse_numel)
+    refreshed, kept = [], []  # per step: did a global threshold refresh; rows kept
     draw = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
     curve: list[dict[str, float]] = []
     moved = []
@@ -174,6 +181,8 @@ def main() -> None:
         else:
             stats = optimizer.stats()
             moved.append(stats.bytes_sent + stats.bytes_received)
+            refreshed.append(stats.global_refreshes > 0)
+            kept.append(stats.selected - (numel - sparse_numel))
         if step % args.eval_every == 0 or step == args.steps - 1:
             paused = time.perf_counter()
             train_loss = hvd.allreduce(loss.detach(), name="train_loss").item()
@@ -210,6 +219,14 @@ def main() -> None:
         "seconds": time.perf_counter() - began,
         "curve": curve,
     }
+    if len(refreshed) > SETTLED:  # the reused threshold in steady state (issue: <= 5 %)
+        settled = kept[SETTLED:]
+        summary["refresh_fraction_after_50"] = sum(refreshed[SETTLED:]) / len(settled)
+        summary["kept_over_k_after_50"] = [
+            min(settled) / budget,
+            sum(settled) / len(settled) / budget,
+            max(settled) / budget,
+        ]
     if hvd.rank() == 0:
         print(json.dumps({k: v for k, v in summary.items() if k != "curve"}))
         if args.json:
