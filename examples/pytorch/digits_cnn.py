@@ -101,9 +101,12 @@ def write_stats(
         writer.add_scalar("exchange/global_refreshes", s.global_refreshes, step)
 
 
-def parse(argv: list[str] | None = None, **defaults: Any) -> argparse.Namespace:
-    """The command line; ``defaults`` override the digits task's (another task's script)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse(
+    argv: list[str] | None = None, description: str | None = None, **defaults: Any
+) -> argparse.Namespace:
+    """The command line; another task's script passes its ``description`` and the
+    ``defaults`` where they differ from the digits task's."""
+    parser = argparse.ArgumentParser(description=description or __doc__.splitlines()[0])
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--no-error-feedback", action="store_true", help="ablation")
     parser.add_argument("--steps", type=int, default=600)

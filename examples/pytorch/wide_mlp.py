@@ -49,7 +49,8 @@ def load_split() -> digits_cnn.Split:
 
 
 def main() -> None:
-    digits_cnn.train(digits_cnn.parse(**DEFAULTS), model, load_split, "wide_mlp")
+    args = digits_cnn.parse(description=__doc__.splitlines()[0], **DEFAULTS)
+    digits_cnn.train(args, model, load_split, "wide_mlp")
 
 
 if __name__ == "__main__":
