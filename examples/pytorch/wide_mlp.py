@@ -1,5 +1,6 @@
-"""Train a 25.6M-parameter MLP on a synthetic 100-class Gaussian mixture, with sparse or
-dense allreduce: the model where bytes matter (a 102 MB fp32 gradient a step).
+"""Train a 25.6M-parameter MLP on a 100-class Gaussian mixture, sparse or dense.
+
+The model where bytes matter: its fp32 gradient is 102 MB a step.
 
     horovodrun -np 4 -H localhost:4 --gloo python examples/pytorch/wide_mlp.py --density 0.01
     horovodrun -np 4 -H localhost:4 --gloo python examples/pytorch/wide_mlp.py --density 1.0
