@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 import horovod.torch as hvd
 import torch
+from allreduce import parse_size  # this folder: the sizes as allreduce.py reads them
 
 import horovod_sparse.torch as hvds
-
-UNITS = {"K": 1 << 10, "M": 1 << 20}
-
-
-def floats(text: str) -> int:
-    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
+from horovod_sparse.common.config import budget
 
 
 def main() -> None:
@@ -36,8 +31,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the summary here (rank 0)")
     args = parser.parse_args()
     hvd.init()
-    numel, name = floats(args.numel), "refresh_rate"
-    k = math.ceil(args.density * numel)
+    numel, name = parse_size(args.numel), "refresh_rate"
+    k = budget(numel, args.density)
     generator = torch.Generator().manual_seed(1000 + hvd.rank())
     prefix = min(numel, 1 << 20)
     carried = torch.zeros(prefix, dtype=torch.float64)  # residual before the call

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import horovod_sparse.torch as hvds
+from horovod_sparse.common.config import budget
 from horovod_sparse.common.stats import allreduce_ring_bytes
 
 SETTLED = 50  # steps after which the refresh fraction and kept count are summarized
@@ -160,7 +161,7 @@ def main() -> None:
     # global selection's kept count can be read against it (tensors under
     # min_sparse_numel are averaged densely and counted whole in stats().selected).
     sparse_numel = sum(p.numel() for p in model.parameters() if p.numel() >= args.min_sparse_numel)
-    budget = math.ceil(args.density * sparse_numel)
+    sparse_k = budget(sparse_numel, min(args.density, 1.0))
     refreshed, kept = [], []  # per step: did a global threshold refresh; rows kept
     draw = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
     curve: list[dict[str, float]] = []
@@ -223,9 +224,9 @@ def main() -> None:
         settled = kept[SETTLED:]
         summary["refresh_fraction_after_50"] = sum(refreshed[SETTLED:]) / len(settled)
         summary["kept_over_k_after_50"] = [
-            min(settled) / budget,
-            sum(settled) / len(settled) / budget,
-            max(settled) / budget,
+            min(settled) / sparse_k,
+            sum(settled) / len(settled) / sparse_k,
+            max(settled) / sparse_k,
         ]
     if hvd.rank() == 0:
         print(json.dumps({k: v for k, v in summary.items() if k != "curve"}))
