@@ -149,7 +149,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         ms = {key: 1e3 * value for key, value in r.items() if key.endswith("_s")}
         lines.append(
-            f"| {r['numel'] / 1e6:.0f}M | {r['density']} | {ms['copy_s']:.3f} "
+            f"| {r['numel']:,} | {r['density']} | {ms['copy_s']:.3f} "
             f"({r['copy_GBps']:.0f}) | {ms['topk_s']:.3f} | {ms['threshold_estimate_s']:.3f} "
             f"| {ms['threshold_reused_s']:.3f} ({r['threshold_reused_GBps_read']:.0f}) "
             f"| {r['topk_over_threshold_estimate']:.1f}x | {ms['pack_s']:.3f} "
