@@ -20,6 +20,7 @@ from allreduce import parse_size  # this folder: the sizes as allreduce.py reads
 
 import horovod_sparse.torch as hvds
 from horovod_sparse.common.config import budget
+from horovod_sparse.common.stats import settled_reuse
 
 
 def main() -> None:
@@ -50,15 +51,13 @@ def main() -> None:
         if error > 1e-3:
             raise AssertionError(f"call {step}: mass off by {error}")
         carried = residual
-    settled = kept[args.settled :]
     summary = {
         "world_size": hvd.size(),
         "numel": numel,
         "density": args.density,
         "calls": args.steps,
         "settled_after": args.settled,
-        "refresh_fraction": sum(refreshed[args.settled :]) / len(settled),
-        "kept_over_k": [min(settled) / k, sum(settled) / len(settled) / k, max(settled) / k],
+        **settled_reuse(refreshed, kept, k, args.settled),
         "refreshed_calls": [i for i, r in enumerate(refreshed) if r],
     }
     if hvd.rank() == 0:

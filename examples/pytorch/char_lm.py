@@ -26,7 +26,7 @@ import torch
 
 import horovod_sparse.torch as hvds
 from horovod_sparse.common.config import budget
-from horovod_sparse.common.stats import allreduce_ring_bytes
+from horovod_sparse.common.stats import allreduce_ring_bytes, settled_reuse
 
 SETTLED = 50  # steps after which the refresh fraction and kept count are summarized
 TRAIN_MODULES = [
@@ -220,14 +220,11 @@ def main() -> None:
         "seconds": time.perf_counter() - began,
         "curve": curve,
     }
-    if len(refreshed) > SETTLED:  # the reused threshold in steady state (issue: <= 5 %)
-        settled = kept[SETTLED:]
-        summary["refresh_fraction_after_50"] = sum(refreshed[SETTLED:]) / len(settled)
-        summary["kept_over_k_after_50"] = [
-            min(settled) / sparse_k,
-            sum(settled) / len(settled) / sparse_k,
-            max(settled) / sparse_k,
-        ]
+    # The reused threshold in steady state (refreshes <= 5 % of steps, kept about k).
+    reuse = settled_reuse(refreshed, kept, sparse_k, SETTLED)
+    if reuse:
+        summary["refresh_fraction_after_50"] = reuse["refresh_fraction"]
+        summary["kept_over_k_after_50"] = reuse["kept_over_k"]
     if hvd.rank() == 0:
         print(json.dumps({k: v for k, v in summary.items() if k != "curve"}))
         if args.json:

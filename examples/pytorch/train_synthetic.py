@@ -18,7 +18,10 @@ import horovod.torch as hvd
 import torch
 
 import horovod_sparse.torch as hvds
-from horovod_sparse.common.stats import allreduce_ring_bytes
+from horovod_sparse.common.config import SparseConfig, budget
+from horovod_sparse.common.stats import allreduce_ring_bytes, settled_reuse
+
+SETTLED = 50  # steps after which the refresh fraction and kept count are summarized
 
 
 def make_data(rank: int, batches: int, batch_size: int, features: int, classes: int):
@@ -71,7 +74,13 @@ def main() -> None:
     numel = sum(p.numel() for p in model.parameters())
     x, y = make_data(hvd.rank(), 16, args.batch_size, features, classes)
 
+    # k of the sparse tensors (one bucket at the default fusion threshold); smaller
+    # tensors are averaged densely and counted whole in stats().selected.
+    least = SparseConfig().min_sparse_numel
+    sparse_numel = sum(p.numel() for p in model.parameters() if p.numel() >= least)
+    sparse_k = budget(sparse_numel, min(args.density, 1.0))
     losses, moved, sent_bytes, message_steps = [], [], [], []
+    refreshed, kept = [], []  # per sparse step: did a global threshold refresh; rows kept
     ring = hvd.size() - 1  # a ring collective's message steps, in units of P - 1
     start = time.perf_counter()
     for step in range(args.steps):
@@ -91,6 +100,8 @@ def main() -> None:
             # histogram allreduces on a step where a threshold refreshes, one allreduce
             # for the dense buckets.
             refresh = 4 if s.global_refreshes else 0
+            refreshed.append(s.global_refreshes > 0)
+            kept.append(s.selected - (numel - sparse_numel))
             sparse = 2 if s.sparse_buckets else 0
             steps = ring * (sparse + 2 * refresh + (2 if s.dense_buckets else 0))
         moved.append(sent + received)
@@ -116,6 +127,11 @@ def main() -> None:
         "dense_bytes_per_step": dense_sent + dense_received,
         "seconds": elapsed,
     }
+    # The reused threshold in steady state (refreshes <= 5 % of steps, kept about k).
+    reuse = settled_reuse(refreshed, kept, sparse_k, SETTLED)
+    if reuse:
+        summary["refresh_fraction_after_50"] = reuse["refresh_fraction"]
+        summary["kept_over_k_after_50"] = reuse["kept_over_k"]
     if hvd.rank() == 0:
         print(json.dumps(summary))
         if args.json:

@@ -15,6 +15,7 @@ in bytes, excluding Horovod's own metadata (sizes, splits):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 __all__ = [
     "StepStats",
@@ -23,6 +24,7 @@ __all__ = [
     "alltoall_bytes",
     "dense_allreduce_stats",
     "progress_line",
+    "settled_reuse",
 ]
 
 
@@ -124,3 +126,16 @@ def progress_line(step: int, stats: StepStats, target_density: float) -> str:
         f"{stats.seconds_exchange * 1e3:.1f} ms, {stats.sparse_buckets} sparse / "
         f"{stats.dense_buckets} dense buckets, {stats.global_refreshes} refreshed"
     )
+
+
+def settled_reuse(refreshed: list[bool], kept: list[int], k: int, settled: int) -> dict[str, Any]:
+    """How the reused global threshold behaved after the first ``settled`` steps:
+    ``refresh_fraction`` (steps whose threshold refreshed) and ``kept_over_k`` (the
+    rows kept per step, over ``k``: min, mean, max). Empty when no step is left."""
+    late = kept[settled:]
+    if not late:
+        return {}
+    return {
+        "refresh_fraction": sum(refreshed[settled:]) / len(late),
+        "kept_over_k": [min(late) / k, sum(late) / len(late) / k, max(late) / k],
+    }

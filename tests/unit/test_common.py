@@ -12,6 +12,7 @@ from horovod_sparse.common.stats import (
     allgather_ring_bytes,
     allreduce_ring_bytes,
     alltoall_bytes,
+    settled_reuse,
 )
 
 
@@ -127,3 +128,12 @@ def test_combined_class_is_a_cached_real_subclass():
 class Base:
     def hello(self):
         return "base"
+
+
+def test_settled_reuse_counts_only_the_steps_after_the_settled_ones():
+    refreshed = [True, True, False, True, False, False]
+    kept = [50, 10, 8, 12, 10, 10]
+    summary = settled_reuse(refreshed, kept, k=10, settled=2)
+    assert summary["refresh_fraction"] == 0.25  # 1 of the last 4 steps
+    assert summary["kept_over_k"] == [0.8, 1.0, 1.2]
+    assert settled_reuse(refreshed, kept, k=10, settled=6) == {}

@@ -19,7 +19,7 @@ def key_of(value: float) -> int:
 
 def test_next_threshold_is_the_kth_gathered_magnitude_or_the_tail_extended():
     ops, to, _ = _torch_backend()
-    reuse = ReusedGlobalThreshold(refresh_steps=6)
+    reuse = ReusedGlobalThreshold(refresh_steps=7)
     keys = ops.magnitude_keys(to(np.array([5.0, -4.0, 3.0, 2.0, 1.0], np.float32)))
     # Due at first: the radix select over one rank finds the exact 2nd largest, 4.0.
     exact = lambda: global_threshold_key(ops, keys, 2, "t", OneRank())  # noqa: E731
@@ -36,9 +36,12 @@ def test_next_threshold_is_the_kth_gathered_magnitude_or_the_tail_extended():
     # spaced: 6 and 8 share an exponent, 4 is one exponent down at mantissa 0).
     reuse.observe(ops, to(np.array([-8.0, 6.0], np.float32)), 4, own_rows=2)
     assert int(reuse.key) == key_of(4.0)
-    assert not reuse.due  # 2 rows is not below 0.5 k: the extended tail is used
-    # Below 0.5 k: refresh (3 rows of k = 7, tail extended all the same).
+    assert not reuse.due  # 2 rows is not below 0.25 k: the extended tail is used
+    # 3 rows of k = 7 is below 0.5 k but not below 0.25 k: the extended tail is used.
     reuse.observe(ops, to(np.array([-8.0, 6.0, 5.0], np.float32)), 7, own_rows=3)
+    assert not reuse.due
+    # Below 0.25 k: refresh (3 rows of k = 13, tail extended all the same).
+    reuse.observe(ops, to(np.array([-8.0, 6.0, 5.0], np.float32)), 13, own_rows=3)
     assert reuse.due
     # One row gives no tail to extend: the key stays, and the next step refreshes.
     reuse.due = False
@@ -47,10 +50,10 @@ def test_next_threshold_is_the_kth_gathered_magnitude_or_the_tail_extended():
     assert int(reuse.key) == before
     assert reuse.due  # 1 row: no tail
     # Within the band, the next step reuses until refresh_steps steps have passed.
-    for age in range(5, 8):  # steps since the refresh, this one included
+    for age in range(6, 9):  # steps since the refresh, this one included
         reuse.due = False
         reuse.observe(ops, to(np.array([9.0, 8.0], np.float32)), 2, own_rows=2)
-        assert reuse.due == (age >= 6)
+        assert reuse.due == (age >= 7)
     # A per-owner cap raises the threshold so at most `cap` keys pass.
     capped = ReusedGlobalThreshold.capped(ops, keys, to(np.array(1, np.int32)), 2)
     assert int(capped) == key_of(4.0)
@@ -69,6 +72,42 @@ def test_an_owners_row_cap_is_its_smoothed_share_of_a_quarter_more_than_k(own_ro
     reuse.observe(ops, to(np.linspace(1.0, 2.0, gathered, dtype=np.float32)), 2, own_rows)
     assert reuse.row_cap == cap
     assert reuse.row_cap == int(np.ceil(1.25 * 2 * (own_rows + 1) / (gathered + 1)))
+
+
+@pytest.mark.parametrize(("own_rows", "gathered", "cap"), [(12, 12, 31), (0, 12, 3), (9, 30, 17)])
+def test_a_row_cap_is_shared_over_at_least_half_of_k(own_rows, gathered, cap):
+    """k = 40: below 0.5 k = 20 gathered rows, the share counts 20 rows, so
+    cap = ceil(1.25 k (own + 1) / (max(gathered, 20) + 1)); above, the gathered count."""
+    ops, to, _ = _torch_backend()
+    reuse = ReusedGlobalThreshold(refresh_steps=4)
+    keys = ops.magnitude_keys(to(np.linspace(1.0, 2.0, 60, dtype=np.float32)))
+    reuse.threshold(ops, keys, 40, lambda: global_threshold_key(ops, keys, 40, "t", OneRank()))
+    reuse.observe(ops, to(np.linspace(1.0, 2.0, gathered, dtype=np.float32)), 40, own_rows)
+    assert reuse.row_cap == cap
+    shared = max(gathered, 20)
+    assert reuse.row_cap == int(np.ceil(1.25 * 40 * (own_rows + 1) / (shared + 1)))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+@pytest.mark.parametrize("k", [7, 40, 1000])
+def test_the_owners_caps_add_up_to_about_a_quarter_more_than_k(world_size, k):
+    """Whatever the gathered count (down to 1 row) and its split among the owners, the
+    caps add up to at most 1.25 k + 1.25 k (P - 1) / (ceil(0.5 k) + 1) + P."""
+    ops, to, _ = _torch_backend()
+    rng = np.random.default_rng(k * world_size)
+    bound = 1.25 * k + 1.25 * k * (world_size - 1) / (np.ceil(0.5 * k) + 1) + world_size
+    for gathered in sorted({1, 2, k // 4, k // 2, k, int(1.25 * k)} - {0}):
+        split = rng.multinomial(gathered, np.ones(world_size) / world_size)
+        caps = []
+        for own_rows in split:
+            reuse = ReusedGlobalThreshold(refresh_steps=4)
+            keys = ops.magnitude_keys(to(np.ones(4, np.float32)))
+            reuse.threshold(
+                ops, keys, k, lambda: global_threshold_key(ops, keys, k, "t", OneRank())
+            )
+            reuse.observe(ops, to(np.ones(gathered, np.float32)), k, int(own_rows))
+            caps.append(int(reuse.row_cap))
+        assert sum(caps) <= bound, (gathered, list(split), caps)
 
 
 def test_one_rank_reuse_keeps_residual_plus_result_equal_to_the_accumulator():
