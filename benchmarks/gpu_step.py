@@ -21,7 +21,9 @@ gradient exchange adds, local work included), peak GPU memory during the timed s
 against ``compute``'s, and the synchronising CUDA calls per step made from
 horovod_sparse's own code (``torch.cuda.set_sync_debug_mode("warn")`` over 3 steady
 steps). Every rank must end with the same parameters (asserted). Rank 0 prints a
-Markdown table and writes JSON to ``--out``.
+Markdown table and writes JSON to ``--out``. ``--profile N`` adds ``torch.profiler``'s
+top N operations over 5 more steps of each sparse configuration (by host and by
+device time).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import traceback
 import warnings
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -89,6 +92,52 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed(
+    step: Callable[[], None], args: argparse.Namespace, device: torch.device, barrier: bool
+) -> tuple[list[float], int, SyncCounter]:
+    """``--steps`` step times after ``--warmup``, the peak memory over them, and the
+    synchronising calls of 3 more steps (none counted on the CPU)."""
+    for _ in range(args.warmup):
+        step()
+    on_gpu = device.type == "cuda"
+    synchronize(device)
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.steps):
+        synchronize(device)
+        if barrier:
+            dist.barrier()
+        began = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - began)
+    peak = torch.cuda.max_memory_allocated(device) if on_gpu else 0
+    syncs = SyncCounter()
+    if on_gpu:  # the CPU path (--device cpu, a dry run of this script) has no syncs
+        with syncs:
+            for _ in range(3):
+                step()
+    return times, peak, syncs
+
+
+def profiled(step: Callable[[], None], device: torch.device, rows: int) -> str:
+    """``torch.profiler``'s table of 5 steps, by self CPU time (what the host spends
+    launching and waiting) and by self device time."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(5):
+            step()
+        synchronize(device)
+    averages = profile.key_averages()
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=rows)]
+    if device.type == "cuda":
+        tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=rows))
+    return "\n".join(tables)
+
+
 def run(config: str, args: argparse.Namespace, device: torch.device) -> dict:
     torch.manual_seed(0)
     module = WideMLP().to(device)
@@ -115,27 +164,11 @@ def run(config: str, args: argparse.Namespace, device: torch.device) -> dict:
         loss.backward()
         optimizer.step()
 
-    for _ in range(args.warmup):
-        step()
-    on_gpu = device.type == "cuda"
-    synchronize(device)
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(args.steps):
-        synchronize(device)
-        if kind != "compute":
-            dist.barrier()
-        began = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - began)
-    peak = torch.cuda.max_memory_allocated(device) if on_gpu else 0
-    syncs = SyncCounter()
-    if on_gpu:  # the CPU path (--device cpu, a dry run of this script) has no syncs
-        with syncs:
-            for _ in range(3):
-                step()
+    times, peak, syncs = timed(step, args, device, barrier=kind != "compute")
+    if args.profile and kind == "sparse":  # every rank steps alike; rank 0 prints
+        table = profiled(step, device, args.profile)
+        if dist.get_rank() == 0:
+            print(table)
     if kind != "compute":
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         parts = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
@@ -162,6 +195,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--profile", type=int, default=0, help="rows of a sparse profile")
     parser.add_argument("--configs", default="compute,allreduce,sparse:0.01,sparse:0.001")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "gpu_step.json")
