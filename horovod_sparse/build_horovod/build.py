@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
@@ -15,8 +16,25 @@ from pathlib import Path
 from horovod_sparse.build_horovod.patches import HOROVOD_VERSION, BuildError, apply_patches
 from horovod_sparse.build_horovod.plan import SCRIPTS, BuildPlan, Environment
 
-# Horovod's runtime requirements (cffi only with PyTorch), installed after the wheel.
-_RUNTIME_REQUIREMENTS = ("cloudpickle", "psutil", "pyyaml", "packaging", "cffi>=1.4.0")
+# Horovod's runtime requirements by the module each provides, installed after the wheel
+# where missing. Horovod's setup.py also asks for cffi with PyTorch, which no module of
+# the package imports: left out, so that a machine without a package index that has the
+# others installs (seen on a GPU machine, where pip could not reach an index for cffi).
+_RUNTIME_REQUIREMENTS = {
+    "cloudpickle": "cloudpickle",
+    "psutil": "psutil",
+    "yaml": "pyyaml",
+    "packaging": "packaging",
+}
+
+
+def missing_requirements() -> list[str]:
+    """The runtime requirements whose module this interpreter cannot find."""
+    return [
+        requirement
+        for module, requirement in _RUNTIME_REQUIREMENTS.items()
+        if importlib.util.find_spec(module) is None
+    ]
 
 
 def pip(*arguments: str) -> None:
@@ -130,7 +148,9 @@ def install_wheel(wheel: Path) -> None:
         print(f"[build_horovod] {wheel.name} is installed already", flush=True)
         return
     pip("install", "-q", "--no-deps", "--force-reinstall", str(wheel))
-    pip("install", "-q", *_RUNTIME_REQUIREMENTS)
+    missing = missing_requirements()
+    if missing:
+        pip("install", "-q", *missing)
     _marker().write_text(digest)
 
 

@@ -201,3 +201,17 @@ def test_dry_run_prints_the_plan_and_builds_nothing():
     )
     assert refused.returncode == 1
     assert "ERROR: --cuda on needs a CUDA build of PyTorch" in refused.stderr
+
+
+def test_only_missing_runtime_requirements_are_installed(monkeypatch):
+    """Requirements whose module is importable are not asked of pip (a machine without a
+    package index installs), and cffi, which no Horovod module imports, is never asked."""
+    from horovod_sparse.build_horovod import build
+
+    assert "cffi" not in " ".join(build._RUNTIME_REQUIREMENTS.values())
+    monkeypatch.setattr(
+        build,
+        "_RUNTIME_REQUIREMENTS",
+        {"json": "json-from-pip", "no_such_module_here": "no-such-requirement"},
+    )
+    assert build.missing_requirements() == ["no-such-requirement"]
