@@ -153,6 +153,11 @@ def main() -> None:
         f"accelerate OK: {accelerator.num_processes} ranks, parameters identical on every "
         "rank, the run resumed from save_state equals the uninterrupted one bit for bit"
     )
+    # Tearing the process group down is no barrier: a rank that exits while another is
+    # still in the last collective aborts it ("terminate called without an active
+    # exception", seen once in this example's test). Every rank waits, then tears down.
+    accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -179,9 +179,10 @@ class TorchKernels(HorovodPrimitives):
         return torch.topk(values.abs(), k, sorted=False).indices.sort().values
 
     def strided_sample_abs(self, values: torch.Tensor, size: int, offset: int) -> torch.Tensor:
+        # A strided view, not an index tensor: no positions to build and gather by.
         stride = max(1, values.numel() // size)
-        positions = torch.arange(size, device=values.device) * stride + (offset % stride)
-        return values.index_select(0, positions).abs()
+        start = offset % stride
+        return values[start : start + size * stride : stride].abs()
 
     def kth_largest(self, values: torch.Tensor, k: int) -> torch.Tensor:
         return torch.topk(values, k, sorted=False).values.min()

@@ -134,6 +134,31 @@ def test_indices_at_least_take_the_edges_infinities_and_nan(backend, dtype):
     np.testing.assert_array_equal(got, [1, 2, 5, 6, 7, 8])
 
 
+@pytest.mark.parametrize(
+    ("numel", "size", "offset"), [(100, 10, 3), (103, 10, 12), (7, 7, 5), (262144, 25600, 9)]
+)
+def test_strided_sample_abs_takes_every_strideth_magnitude_from_the_offset(
+    backend, numel, size, offset
+):
+    ops, to, back = backend
+    values = np.random.default_rng(numel).standard_normal(numel).astype(np.float32)
+    stride = max(1, numel // size)
+    want = np.abs(values[offset % stride :: stride][:size])
+    assert len(want) == size
+    np.testing.assert_array_equal(back(ops.strided_sample_abs(to(values), size, offset)), want)
+
+
+def test_threshold_sample_holds_about_sample_rank_entries_above_the_kth():
+    from horovod_sparse.common.selection import ThresholdSelection
+
+    selection = ThresholdSelection(sample_size=1 << 16, sample_rank=256)
+    assert selection.sample_length(262144, 2622) == 25595  # ceil(256 * 262144 / 2622)
+    assert selection.sample_length(16 << 20, 167773) == 25600
+    assert selection.sample_length(16 << 20, 16777) == 1 << 16  # the cap
+    assert selection.sample_length(1000, 10) == 1000  # the whole bucket
+    assert selection.sample_length(1000, object()) == 1000  # a graph budget: the cap
+
+
 def test_topk_indices_match_numpy(backend):
     ops, to, back = backend
     values = np.random.default_rng(1).standard_normal(5000).astype(np.float32)

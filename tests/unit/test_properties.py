@@ -401,12 +401,15 @@ def test_exact_selection_is_the_top_k(case):
     dtype=st.sampled_from([np.float32, np.float64, np.float16]),
     reestimate_steps=st.integers(1, 10),
     sample_size=st.sampled_from([8, 100, 1000, 1 << 16]),
+    sample_rank=st.sampled_from([1, 16, 256]),
 )
 def test_threshold_selection_count_stays_in_band(
-    n, k_fraction, steps, dtype, reestimate_steps, sample_size
+    n, k_fraction, steps, dtype, reestimate_steps, sample_size, sample_rank
 ):
     k = max(1, min(n, round(k_fraction * n)))
-    selection = ThresholdSelection(reestimate_steps=reestimate_steps, sample_size=sample_size)
+    selection = ThresholdSelection(
+        reestimate_steps=reestimate_steps, sample_size=sample_size, sample_rank=sample_rank
+    )
     low, high = selection.band
     for kind, seed, scale in steps:  # one instance: later calls reuse the threshold
         with np.errstate(over="ignore"):  # fp16: large magnitudes become inf
