@@ -88,3 +88,35 @@ def test_every_selection_and_owner_kernel_of_a_step_runs_at_the_lowered_count(
         assert torch.get_num_threads() == 2
     assert set(seen) >= {"indices_at_least", "unique_inverse", "scatter_into"}
     assert all(count == 1 for counts in seen.values() for count in counts), seen
+
+
+def test_a_rank_sharing_cores_sleeps_between_polls_and_one_with_cores_leaves_it_to_horovod(
+    monkeypatch,
+):
+    """Horovod's synchronize spins; a rank with at most one core of its own polls
+    instead, sleeping 20 us, doubling to at most 500 us, and synchronizes once done."""
+    pytest.importorskip("horovod.torch")
+    from horovod_sparse.torch import backend as backend_module
+
+    polls, sleeps, synchronized = [], [], []
+
+    def poll(handle):
+        polls.append(handle)
+        return len(polls) > 8  # done at the ninth poll
+
+    monkeypatch.setattr(backend_module.hvd, "poll", poll)
+    monkeypatch.setattr(backend_module.hvd, "synchronize", lambda h: synchronized.append(h) or h)
+    monkeypatch.setattr(backend_module.time, "sleep", sleeps.append)
+    pending = backend_module._Pending(7, "plain")
+    shared, own = backend_module.TorchBackend(), backend_module.TorchBackend()
+    shared.local_threads = LocalThreads(lambda: 4)
+    monkeypatch.setattr(threads_module, "cores_available", lambda: 2)
+    assert shared.local_threads.threads == 1
+    assert shared.wait(pending) == 7
+    assert polls == [7] * 9 and synchronized == [7]
+    assert sleeps == pytest.approx([20e-6, 40e-6, 80e-6, 160e-6, 320e-6, 500e-6, 500e-6, 500e-6])
+    polls.clear(), sleeps.clear(), synchronized.clear()
+    own.local_threads = LocalThreads(lambda: 1)
+    monkeypatch.setattr(threads_module, "cores_available", lambda: 8)
+    assert own.wait(pending) == 7
+    assert polls == [] and sleeps == [] and synchronized == [7]
