@@ -29,8 +29,8 @@ __all__ = ["TorchBackend"]
 # and from the other ranks' local work. So such a rank polls, sleeping between polls
 # from 20 us, doubling up to 500 us (the most a wait can overrun its collective). 2
 # ranks on 2 cores, medians of 5 alternating runs of 50 steps, ms a step (spinning
-# against sleeping): 16 buckets of 256K through synchronize() 43.9 / 35.0 (run-to-run
-# 34-51 / 33-37); the demo's MLP, whole training step 29.3 / 25.9 (23-41 / 26-28).
+# against sleeping): 16 buckets of 256K through synchronize() 44.5 / 36.9 (run medians
+# 42-54 / 35-42); the demo's MLP, whole training step 34.0 / 27.2 (30-37 / 26-28).
 _FIRST_SLEEP_S = 20e-6
 _LONGEST_SLEEP_S = 500e-6
 
