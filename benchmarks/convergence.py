@@ -100,6 +100,9 @@ MODES = {
     "0.01-min10k": ["--density", "0.01", "--min-sparse-numel", "10000"],
     "0.01-min20k": ["--density", "0.01", "--min-sparse-numel", "20000"],
     "0.01-min50k": ["--density", "0.01", "--min-sparse-numel", "50000"],
+    # Each rank takes its gradients at the shared parameters moved by its own pending
+    # update (residual_lookahead).
+    "0.01-lookahead": ["--density", "0.01", "--residual-lookahead"],
     # A bucket per tensor: each tensor its own top-k.
     "0.01-per-tensor": ["--density", "0.01", "--fusion-threshold-bytes", "1024"],
 }

@@ -3,8 +3,9 @@ gradients needs to reach the validation metric that dense Horovod ends with.
 
 Every mode of a task trains the same model on the same data order with the same
 hyperparameters and seeds: dense Horovod (``hvd.DistributedOptimizer``), the sparse
-Horovod optimizer with its defaults, DDP's own allreduce, the sparse DDP hook (with the
-task's optimizer run in the hook: SGD momentum for digits, AdamW for the char LM), and
+Horovod optimizer with its defaults and with ``residual_lookahead``, DDP's own
+allreduce, the sparse DDP hook (with the task's optimizer run in the hook: SGD momentum
+for digits, AdamW for the char LM), and
 PowerSGD rank 1 and 4 under DDP (Keras digits: dense and sparse only). Each run
 records its validation metric every ``--eval-every`` steps against the seconds spent
 training so far (evaluation left out). Per seed, the target is dense's
@@ -76,6 +77,7 @@ def modes(task: str, example: str, hook_options: tuple[str, ...]) -> tuple[Mode,
     return (
         Mode(DENSE, horovod, ("--density", "1.0"), "horovod"),
         Mode("sparse (defaults)", horovod, (), "horovod"),
+        Mode("sparse (residual lookahead)", horovod, ("--residual-lookahead",), "horovod"),
         # DDP's own dense allreduce: the DDP rows' baseline without Horovod's runtime.
         Mode("DDP allreduce", ddp, (*common, "--hook", "allreduce"), "torch"),
         Mode("DDP sparse hook", ddp, (*common, "--hook", "sparse", *hook_options), "torch"),

@@ -16,6 +16,7 @@ anything below uses ``horovod_sparse.torch.DistributedOptimizer`` with its defau
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sysconfig
@@ -102,6 +103,13 @@ def validation_loss(model: torch.nn.Module, text: torch.Tensor, context: int) ->
     return total / (len(starts) * context)
 
 
+def shared_parameters(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
+    """The sparse optimizer's shared parameters (see ``residual_lookahead``); Horovod's
+    optimizer has no other."""
+    shared = getattr(optimizer, "shared_parameters", None)
+    return shared() if shared is not None else contextlib.nullcontext()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--density", type=float, default=0.01)
@@ -121,6 +129,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--fusion-threshold-bytes", type=int, default=None, help="sparse bucket capacity"
+    )
+    parser.add_argument(
+        "--residual-lookahead", action="store_true", help="each rank steps from its own lookahead"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=100)
@@ -152,6 +163,7 @@ def main() -> None:
             global_selection=args.global_selection,
             min_sparse_numel=args.min_sparse_numel,
             fusion_threshold_bytes=args.fusion_threshold_bytes,
+            residual_lookahead=args.residual_lookahead,
         )
         mode = f"density {args.density}" + (" no EF" if args.no_error_feedback else "")
     numel = sum(p.numel() for p in model.parameters())
@@ -187,7 +199,8 @@ def main() -> None:
         if step % args.eval_every == 0 or step == args.steps - 1:
             paused = time.perf_counter()
             train_loss = hvd.allreduce(loss.detach(), name="train_loss").item()
-            val = validation_loss(model, val_text, args.context)
+            with shared_parameters(optimizer):  # the model every rank holds alike
+                val = validation_loss(model, val_text, args.context)
             seconds = paused - began - evaluating  # training time so far
             curve.append(
                 {"step": step, "seconds": seconds, "train_loss": train_loss, "val_loss": val}
@@ -199,7 +212,8 @@ def main() -> None:
                     f"(ppl {math.exp(val):.2f}) bytes/step {moved[-1]:,}",
                     flush=True,
                 )
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    with shared_parameters(optimizer):
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     highest = hvd.allreduce(flat, op=hvd.Max, name="param_max")
     lowest = hvd.allreduce(flat, op=hvd.Min, name="param_min")
     summary = {

@@ -19,6 +19,7 @@ anything below uses ``horovod_sparse.torch.DistributedOptimizer`` with its defau
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -123,8 +124,18 @@ def parse(
         "needs `pip install tensorboard`)",
     )
     parser.add_argument("--log-every", type=int, default=0, help="the optimizer's log_every")
+    parser.add_argument(
+        "--residual-lookahead", action="store_true", help="each rank steps from its own lookahead"
+    )
     parser.set_defaults(**defaults)
     return parser.parse_args(argv)
+
+
+def shared_parameters(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
+    """The sparse optimizer's shared parameters (see ``residual_lookahead``); Horovod's
+    optimizer has no other."""
+    shared = getattr(optimizer, "shared_parameters", None)
+    return shared() if shared is not None else contextlib.nullcontext()
 
 
 Split = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -160,6 +171,7 @@ def train(
             density=args.density,
             error_feedback=not args.no_error_feedback,
             log_every=args.log_every,
+            residual_lookahead=args.residual_lookahead,
         )
         mode = f"density {args.density}" + (" no EF" if args.no_error_feedback else "")
     numel = sum(p.numel() for p in model.parameters())
@@ -196,8 +208,9 @@ def train(
                 "step": step,
                 "seconds": paused - began - evaluating,  # training time so far
                 "train_loss": train_loss,
-                "test_acc": accuracy(model, x_test, y_test),
             }
+            with shared_parameters(optimizer):  # the model every rank holds alike
+                point["test_acc"] = accuracy(model, x_test, y_test)
             curve.append(point)
             evaluating += time.perf_counter() - paused
             if hvd.rank() == 0:
@@ -207,7 +220,8 @@ def train(
                     flush=True,
                 )
     # Every rank must hold the same parameters.
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    with shared_parameters(optimizer):
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     spread = (
         (
             hvd.allreduce(flat, op=hvd.Max, name="pmax")

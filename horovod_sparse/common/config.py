@@ -88,6 +88,12 @@ class SparseConfig:
             the exchange (DGC): ``None`` turns it on where it applies (a sparse exchange
             under SGD with momentum, or Adam/AdamW), ``True`` insists, ``False`` leaves
             the wrapped optimizer as it is.
+        residual_lookahead: between steps, each rank holds the shared parameters moved
+            by its own share of the update still pending in its residual
+            (``p = shared - lr * postscale * residual``), so its next gradients are
+            taken where its own updates have led; every ``step()`` puts the shared
+            values back first (:mod:`horovod_sparse.torch.lookahead`; the PyTorch
+            optimizer, with plain SGD or momentum correction).
         overlap_allgather: ``True`` defers each bucket's all-gather and update to a
             forward pre-hook of the next iteration; ``"auto"`` lets trials of whole-step
             time decide (the PyTorch optimizer; needs the model).
@@ -124,6 +130,7 @@ class SparseConfig:
     dense_fusion_bytes: int | None = None
     error_feedback: bool = True
     momentum_correction: bool | None = None
+    residual_lookahead: bool = False
     overlap_allgather: bool | str = False
     scheduler: str = "fixed"
     scheduler_steps: int = 100
@@ -142,6 +149,7 @@ class SparseConfig:
         _check_choice("overlap_allgather", self.overlap_allgather, OVERLAP_SETTINGS)
         _check_choice("momentum_correction", self.momentum_correction, (None, True, False))
         _check_choice("join_buckets", self.join_buckets, (True, False))
+        _check_choice("residual_lookahead", self.residual_lookahead, (True, False))
         for knob in ("reestimate_steps", "repartition_steps", "scheduler_steps", "refresh_steps"):
             _check_at_least(knob, getattr(self, knob), 1)
         for knob in ("min_sparse_numel", "warmup_steps", "density_decay_steps", "log_every"):

@@ -78,6 +78,8 @@ OPTION_SUPPORT: Mapping[str, frozenset[Frontend]] = MappingProxyType(
         # Needs the wrapped optimizer's momentum: the DDP hook takes its own ``momentum``
         # keyword instead, and a tape has no optimizer.
         "momentum_correction": frozenset((Frontend.TORCH_OPTIMIZER, Frontend.KERAS_OPTIMIZER)),
+        # Moves the parameters the optimizer steps: the PyTorch optimizer's own.
+        "residual_lookahead": frozenset((Frontend.TORCH_OPTIMIZER,)),
         "overlap_allgather": frozenset((Frontend.TORCH_OPTIMIZER,)),
         "scheduler": frozenset((Frontend.TORCH_OPTIMIZER,)),
         "scheduler_steps": frozenset((Frontend.TORCH_OPTIMIZER,)),

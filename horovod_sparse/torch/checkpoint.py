@@ -17,6 +17,7 @@ from horovod_sparse.torch.collectives import allgather_object, horovod_state_bro
 if TYPE_CHECKING:
     import torch
 
+    from horovod_sparse.torch.lookahead import ResidualLookahead
     from horovod_sparse.torch.momentum import Correction
     from horovod_sparse.torch.overlap import DeferredUpdates
 
@@ -42,6 +43,7 @@ class OptimizerCheckpoint(_OptimizerBase):
     _step_began: float | None
     _correction: Correction | None
     _deferred: DeferredUpdates | None
+    _lookahead: ResidualLookahead | None
 
     if TYPE_CHECKING:  # the optimizer's own, which the checkpoint needs
 
@@ -108,6 +110,10 @@ class OptimizerCheckpoint(_OptimizerBase):
         """
         state_dict = dict(state_dict)
         sparse_state = state_dict.pop(_STATE_KEY, None)
+        if self._lookahead is not None:
+            # Back to the shared parameters, except those a load has just written; the
+            # lookahead is taken again below, from the loaded residual.
+            self._lookahead.remove()
         super().load_state_dict(state_dict)
         if self._correction is not None:
             # The loaded entries are new tensors: their values go into the flat buffers,
@@ -124,6 +130,8 @@ class OptimizerCheckpoint(_OptimizerBase):
         if sparse_state is not None:
             self.engine.restore(sparse_state, self._owner_token)
             self._step_began = None
+        if self._lookahead is not None:
+            self._lookahead.apply()
 
     def _settle_loads(self) -> None:
         """At the first step after the engine was made or loaded from another process

@@ -35,6 +35,7 @@ from horovod_sparse.torch.checkpoint import OptimizerCheckpoint
 from horovod_sparse.torch.collectives import allgather_object
 from horovod_sparse.torch.functions import BACKEND, op_name
 from horovod_sparse.torch.gradients import GradientRouting
+from horovod_sparse.torch.lookahead import ResidualLookahead, lookahead_supported
 from horovod_sparse.torch.momentum import Correction, make_correction
 from horovod_sparse.torch.overlap import DeferredUpdates
 from horovod_sparse.torch.parameters import (
@@ -115,6 +116,7 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
         self._synchronized = False
         self._deferred: DeferredUpdates | None = None
         self._correction: Correction | None = None
+        self._lookahead: ResidualLookahead | None = None
         self._step_began: float | None = None  # host time the current step's backward began
         # Identifies this optimizer's own saved states (elastic commit/restore), whose
         # residuals belong to this process whatever its rank is now.
@@ -148,6 +150,8 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
         )
         self._correction = attach_correction(self._correction, self.engine, self._buckets, params)
         self._routing.correction = self._correction
+        if config.residual_lookahead:
+            self._lookahead = ResidualLookahead(self, self.engine, self._buckets, params)
         for _, p in named:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         if config.overlap_allgather:
@@ -185,6 +189,8 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
             self._correction = make_correction(
                 self, config.momentum_correction, _can_be_sparse(config, named)
             )
+            if config.residual_lookahead and _can_be_sparse(config, named):
+                _check_lookahead(self, config, self._correction is not None)
             if config.overlap_allgather and not isinstance(model, torch.nn.Module):
                 raise TypeError(
                     f"overlap_allgather={config.overlap_allgather!r} needs model=<the "
@@ -210,6 +216,9 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
         the policy is the engine's (each surviving rank keeps its residual)."""
         if self.process_set.size() == self._world_size:
             return
+        if self._lookahead is not None:
+            # Elastic Horovod broadcasts the parameters after a reset: they are shared.
+            self._lookahead.forget()
         self._world_size = self.process_set.size()
         self._set_scales()
         buckets, buffers, config = self._buckets, self.engine.buffers, self.sparse_config
@@ -253,6 +262,22 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
         if self.engine.trace is not None:
             self.engine.trace.backward_step(now)
         self.engine.open_step()
+
+
+def _check_lookahead(
+    optimizer: torch.optim.Optimizer, config: SparseConfig, corrected: bool
+) -> None:
+    """Refuse ``residual_lookahead`` where the step would not go where it looks."""
+    if config.overlap_allgather:
+        raise ValueError(
+            "residual_lookahead=True does not apply with overlap_allgather: the deferred "
+            "updates step the parameters inside the next forward pass"
+        )
+    if not config.error_feedback:
+        raise ValueError("residual_lookahead=True needs error_feedback=True (a residual)")
+    problem = lookahead_supported(optimizer, corrected)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _can_be_sparse(config: SparseConfig, named: list[tuple[str, torch.Tensor]]) -> bool:

@@ -23,6 +23,7 @@ from horovod_sparse.torch.collectives import called_by_horovod_state_broadcast
 
 if TYPE_CHECKING:
     from horovod_sparse.torch.gradients import GradientRouting
+    from horovod_sparse.torch.lookahead import ResidualLookahead
     from horovod_sparse.torch.momentum import Correction
     from horovod_sparse.torch.overlap import DeferredUpdates
 
@@ -46,6 +47,7 @@ class OptimizerStep(_OptimizerBase):
     _synchronized: bool
     _correction: Correction | None
     _deferred: DeferredUpdates | None
+    _lookahead: ResidualLookahead | None
 
     if TYPE_CHECKING:  # the optimizer's own, which the step needs
 
@@ -145,7 +147,30 @@ class OptimizerStep(_OptimizerBase):
                 )
             self.synchronize()
         self._synchronized = False
-        return self._wrapped_step(closure)
+        lookahead = self._lookahead
+        if lookahead is None:
+            return self._wrapped_step(closure)
+        # The exchanged update applies to the shared parameters; then look ahead anew.
+        lookahead.remove()
+        try:
+            return self._wrapped_step(closure)
+        finally:
+            lookahead.apply()
+
+    @contextlib.contextmanager
+    def shared_parameters(self) -> Iterator[None]:
+        """The parameters as every rank holds them, inside the block.
+
+        With ``residual_lookahead=True`` each rank holds, between steps, the shared
+        parameters moved by its own pending update. Evaluate, or save the model for
+        a checkpoint, inside this block to see the shared ones (identical on every
+        rank); the lookahead returns after it. Without the option this does nothing.
+        """
+        if self._lookahead is None:
+            yield
+            return
+        with self._lookahead.removed():
+            yield
 
     def _step_deferred(self, closure: Any) -> Any:
         """``step()`` with overlap_allgather: launch the all-gathers and return; each

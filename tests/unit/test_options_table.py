@@ -47,6 +47,7 @@ AWAY_FROM_DEFAULT: dict[str, Any] = {
     "dense_fusion_bytes": 0,
     "error_feedback": False,
     "momentum_correction": False,
+    "residual_lookahead": True,
     "overlap_allgather": True,
     "scheduler": "auto",
     "scheduler_steps": 10,

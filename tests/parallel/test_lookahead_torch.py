@@ -1,0 +1,183 @@
+"""residual_lookahead: each rank holds the shared parameters moved by its own pending
+update; the shared parameters follow the sparse step exactly and agree on every rank."""
+
+import copy
+
+import horovod.torch as hvd
+import pytest
+import torch
+
+import horovod_sparse.torch as hvds
+
+hvd.init()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * step + 31 * hvd.rank())
+    return torch.randn(8, 100, generator=g), torch.randn(8, 200, generator=g)
+
+
+def linear() -> torch.nn.Module:
+    torch.manual_seed(3)  # identical initial weights on every rank
+    return torch.nn.Linear(100, 200, bias=False)  # one sparse bucket of 20,000
+
+
+def make_adamw(model: torch.nn.Module, **options) -> torch.optim.Optimizer:
+    return hvds.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
+        model.named_parameters(),
+        density=0.02,
+        **options,
+    )
+
+
+def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
+    x, c = batch(step)
+    return (torch.tanh(model(x)) * c).sum()
+
+
+def shared_weights_agree(model: torch.nn.Module, name: str) -> None:
+    for p in model.parameters():
+        everyone = hvd.allgather(p.detach().reshape(1, -1), name=name)
+        assert torch.equal(everyone, p.detach().reshape(1, -1).expand_as(everyone))
+
+
+@pytest.mark.parametrize("lr_change", [False, True], ids=["constant_lr", "scheduled_lr"])
+def test_gradients_taken_at_the_lookahead_and_shared_parameters_follow_the_step(lr_change):
+    """Against a reference built from the definition on a twin model: before each
+    forward, the twin's weight is moved by -lr/P times its optimizer's residual, and
+    put back before the step."""
+    model, twin = linear(), linear()
+    opt = make_adamw(model, residual_lookahead=True)
+    ref = make_adamw(twin)
+    (name,) = ref.residuals()
+    moved_steps = 0
+    lr = ref.param_groups[0]["lr"]  # the lookahead's: that of the step that took it
+    for step in range(8):
+        shared = twin.weight.detach().clone()
+        with torch.no_grad():
+            twin.weight.sub_(ref.residuals()[name].view_as(twin.weight), alpha=lr / hvd.size())
+        assert torch.equal(model.weight, twin.weight)  # the lookahead, from the definition
+        moved_steps += int(not torch.equal(model.weight, shared))
+        for m, o in ((model, opt), (twin, ref)):
+            o.zero_grad()
+            loss_of(m, step).backward()
+            o.synchronize()
+        assert torch.equal(model.weight.grad, twin.weight.grad)
+        with torch.no_grad():
+            twin.weight.copy_(shared)
+        for o in (opt, ref):
+            with o.skip_synchronize():
+                o.step()
+        with opt.shared_parameters():
+            assert torch.equal(model.weight, twin.weight)
+            shared_weights_agree(model, f"la.shared.{lr_change}.{step}")
+        # Residual mass is conserved the same way with or without the lookahead.
+        assert torch.equal(opt.residuals()[name], ref.residuals()[name])
+        lr = ref.param_groups[0]["lr"]
+        if lr_change and step == 3:  # a scheduler steps after the optimizer
+            for o in (opt, ref):
+                o.param_groups[0]["lr"] = 3e-3
+    assert moved_steps >= 6  # the residual is non-zero after the first step
+
+
+def test_density_one_is_dense_adamw_with_or_without_lookahead():
+    a, b = linear(), linear()
+    dense_a = hvds.DistributedOptimizer(
+        torch.optim.AdamW(a.parameters(), lr=1e-2),
+        a.named_parameters(),
+        density=1.0,
+        residual_lookahead=True,
+    )
+    dense_b = hvds.DistributedOptimizer(
+        torch.optim.AdamW(b.parameters(), lr=1e-2), b.named_parameters(), density=1.0
+    )
+    for step in range(4):
+        for m, o in ((a, dense_a), (b, dense_b)):
+            o.zero_grad()
+            loss_of(m, step).backward()
+            o.step()
+        assert torch.equal(a.weight, b.weight)  # nothing pending: nothing moved
+
+
+def test_checkpoint_in_shared_parameters_resumes_exactly():
+    model_a = linear()
+    opt_a = make_adamw(model_a, residual_lookahead=True)
+
+    def train(model, opt, first, steps):
+        for step in range(first, first + steps):
+            opt.zero_grad()
+            loss_of(model, step).backward()
+            opt.step()
+
+    train(model_a, opt_a, 0, 5)
+    with opt_a.shared_parameters():
+        saved_model = copy.deepcopy(model_a.state_dict())
+    saved_opt = copy.deepcopy(opt_a.state_dict())
+    train(model_a, opt_a, 5, 4)
+
+    model_b = linear()
+    opt_b = make_adamw(model_b, residual_lookahead=True)
+    train(model_b, opt_b, 100, 2)  # somewhere else, with a lookahead of its own
+    model_b.load_state_dict(saved_model)
+    opt_b.load_state_dict(saved_opt)
+    train(model_b, opt_b, 5, 4)
+    assert torch.equal(model_a.weight, model_b.weight)  # the lookaheads agree too
+    with opt_a.shared_parameters(), opt_b.shared_parameters():
+        assert torch.equal(model_a.weight, model_b.weight)
+        shared_weights_agree(model_b, "la.resumed")
+
+
+def test_plain_sgd_looks_ahead_by_the_pending_gradient():
+    model = linear()
+    opt = hvds.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model.named_parameters(),
+        density=0.02,
+        residual_lookahead=True,
+    )
+    (name,) = opt.residuals()
+    for step in range(3):
+        opt.zero_grad()
+        loss_of(model, step).backward()
+        opt.step()
+        with opt.shared_parameters():
+            shared = model.weight.detach().clone()
+        expected = shared - 0.1 / hvd.size() * opt.residuals()[name].view_as(shared)
+        torch.testing.assert_close(model.weight.detach(), expected, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "make, options, message",
+    [
+        (lambda p: torch.optim.RMSprop(p), {}, "RMSprop without momentum correction"),
+        (
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            {"momentum_correction": False},
+            "SGD without momentum correction",
+        ),
+        (lambda p: torch.optim.SGD(p, lr=0.1), {"error_feedback": False}, "error_feedback"),
+    ],
+    ids=["rmsprop", "sgd_momentum_uncorrected", "no_error_feedback"],
+)
+def test_refused_where_the_step_is_not_linear_in_the_exchange(make, options, message):
+    model = linear()
+    with pytest.raises(ValueError, match=message):
+        hvds.DistributedOptimizer(
+            make(model.parameters()),
+            model.named_parameters(),
+            residual_lookahead=True,
+            **options,
+        )
+
+
+def test_refused_with_overlap_allgather():
+    model = linear()
+    with pytest.raises(ValueError, match="overlap_allgather"):
+        hvds.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model.named_parameters(),
+            residual_lookahead=True,
+            overlap_allgather=True,
+            model=model,
+        )
