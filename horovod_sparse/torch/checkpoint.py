@@ -66,6 +66,10 @@ class OptimizerCheckpoint(_OptimizerBase):
         root = horovod_state_broadcast_root()
         if root is not None and self._member:
             self._take_shared_state_from(root)
+            if self._lookahead is not None:
+                # Horovod broadcasts the parameters with the optimizer's state (its
+                # examples, elastic sync): they are now the shared ones on every rank.
+                self._lookahead.forget()
         state = super().state_dict()
         if self._member:
             rank, size = self.process_set.rank(), self.process_set.size()

@@ -15,12 +15,13 @@ shared ones moved by its own share of the update still pending in its residual::
 which is the part of the error-feedback "virtual iterate" (the parameters had every
 rank sent everything) that this rank knows. It needs a step that is linear in the
 exchanged tensor, ``p -= lr * exchanged``: plain SGD, or momentum correction (SGD with
-momentum, Adam, AdamW). Every ``step()`` first puts the shared values back, from an
-exact copy, so the shared parameters stay bit-identical on every rank; the optimizer's
-step then applies the exchanged update to them, and the lookahead is taken anew.
+momentum, Adam, AdamW). Every ``step()`` first puts the shared values back (each
+parameter's ``data`` is swapped back to the untouched shared tensor), so the shared
+parameters stay bit-identical on every rank; the optimizer's step then applies the
+exchanged update to them, and the lookahead is taken anew.
 
-Costs: one copy of the sparse buckets' parameters, and two elementwise passes a step.
-Sends nothing.
+Costs: a second buffer per parameter of the sparse buckets, and one elementwise pass a
+step. Sends nothing.
 """
 
 from __future__ import annotations
@@ -83,7 +84,11 @@ class ResidualLookahead:
             if bucket.kind == "sparse"
             for param, entry in zip(params[index], bucket.entries)
         ]
-        self._shared: dict[torch.Tensor, torch.Tensor] = {}  # exact shared values
+        # Per parameter, the one of its two buffers it does not hold now: while the
+        # lookahead is applied, the exact shared values; otherwise the buffer the next
+        # lookahead is written into. Swapping ``param.data`` between the two costs no
+        # pass over memory, so a step pays one elementwise pass, not three.
+        self._spare: dict[torch.Tensor, torch.Tensor] = {}
         # Each moved parameter's storage and version counter right after the move:
         # a parameter written since (a loaded checkpoint) is taken as the shared value.
         self._moved: dict[torch.Tensor, tuple[int, int]] = {}
@@ -94,7 +99,7 @@ class ResidualLookahead:
 
     @torch.no_grad()
     def apply(self) -> None:
-        """Save the shared values and move each parameter by its pending update."""
+        """Move each parameter by its pending update; keep the shared values aside."""
         self.remove()
         postscale = self.engine.postscale
         for index, param, offset in self._members:
@@ -102,11 +107,13 @@ class ResidualLookahead:
             if not isinstance(reducer, BucketReducer) or reducer.residual_clear:
                 continue  # nothing pending (no sparse step yet)
             pending = reducer.residual[offset : offset + param.numel()].view_as(param)
-            shared = self._shared.get(param)
-            if shared is None or shared.shape != param.shape:
-                shared = self._shared[param] = torch.empty_like(param)
-            shared.copy_(param)
-            param.sub_(pending, alpha=float(self._groups[param]["lr"]) * postscale)
+            ahead = self._spare.get(param)
+            if ahead is None or ahead.shape != param.shape or ahead.dtype != param.dtype:
+                ahead = torch.empty_like(param)
+            alpha = float(self._groups[param]["lr"]) * postscale
+            torch.sub(param.data, pending.to(param.dtype), alpha=alpha, out=ahead)
+            self._spare[param] = param.data
+            param.data = ahead
             self._moved[param] = (param.data_ptr(), param._version)
 
     @torch.no_grad()
@@ -114,7 +121,10 @@ class ResidualLookahead:
         """Put the shared values back (the parameters as every rank holds them)."""
         for param, (address, version) in self._moved.items():
             if param.data_ptr() == address and param._version == version:
-                param.copy_(self._shared[param])
+                ahead = param.data
+                param.data = self._spare[param]
+                self._spare[param] = ahead
+            # else: written since (a load); its values are the shared ones now.
         self._moved.clear()
 
     def forget(self) -> None:

@@ -128,6 +128,35 @@ def test_checkpoint_in_shared_parameters_resumes_exactly():
         shared_weights_agree(model_b, "la.resumed")
 
 
+def test_horovod_broadcasts_after_a_restore_leave_every_rank_on_the_same_parameters():
+    """Elastic Horovod's reset: each rank restores what it committed (here the model
+    outside shared_parameters(), so each rank its own lookahead), then the parameters
+    and the optimizer's state are broadcast from rank 0."""
+    model = linear()
+    opt = make_adamw(model, residual_lookahead=True)
+
+    def train(first, steps):
+        for step in range(first, first + steps):
+            opt.zero_grad()
+            loss_of(model, step).backward()
+            opt.step()
+
+    train(0, 4)
+    committed_model = copy.deepcopy(model.state_dict())  # this rank's lookahead
+    committed_opt = copy.deepcopy(opt.state_dict())
+    everyone = hvd.allgather(model.weight.detach().reshape(1, -1), name="la.committed")
+    assert not torch.equal(everyone[0], everyone[-1])  # the ranks' lookaheads differ
+    train(4, 2)
+    model.load_state_dict(committed_model)
+    opt.load_state_dict(committed_opt)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    shared_weights_agree(model, "la.synced")
+    train(6, 3)
+    with opt.shared_parameters():
+        shared_weights_agree(model, "la.after_sync")
+
+
 def test_plain_sgd_looks_ahead_by_the_pending_gradient():
     model = linear()
     opt = hvds.DistributedOptimizer(
