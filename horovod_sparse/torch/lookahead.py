@@ -57,6 +57,10 @@ def lookahead_supported(optimizer: torch.optim.Optimizer, corrected: bool) -> st
     )
 
 
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
 class ResidualLookahead:
     """Moves each parameter of the sparse buckets by its rank's pending update.
 
@@ -108,7 +112,7 @@ class ResidualLookahead:
                 continue  # nothing pending (no sparse step yet)
             pending = reducer.residual[offset : offset + param.numel()].view_as(param)
             ahead = self._spare.get(param)
-            if ahead is None or ahead.shape != param.shape or ahead.dtype != param.dtype:
+            if ahead is None or not _same_layout(ahead, param):  # or moved or cast since
                 ahead = torch.empty_like(param)
             alpha = float(self._groups[param]["lr"]) * postscale
             torch.sub(param.data, pending.to(param.dtype), alpha=alpha, out=ahead)
