@@ -88,12 +88,12 @@ class SparseConfig:
             the exchange (DGC): ``None`` turns it on where it applies (a sparse exchange
             under SGD with momentum, or Adam/AdamW), ``True`` insists, ``False`` leaves
             the wrapped optimizer as it is.
-        residual_lookahead: between steps, each rank holds the shared parameters moved
-            by its own share of the update still pending in its residual
-            (``p = shared - lr * postscale * residual``), so its next gradients are
-            taken where its own updates have led; every ``step()`` puts the shared
-            values back first (:mod:`horovod_sparse.torch.lookahead`; the PyTorch
-            optimizer, with plain SGD or momentum correction).
+        residual_lookahead: each rank's training forward and backward run at the
+            shared parameters moved by its own share of the update still pending in
+            its residual (``p = shared - lr * postscale * residual``), so its gradients
+            are taken where its own updates have led; ``step()`` puts the shared values
+            back (:mod:`horovod_sparse.torch.lookahead`; the PyTorch optimizer, with
+            plain SGD or momentum correction).
         overlap_allgather: ``True`` defers each bucket's all-gather and update to a
             forward pre-hook of the next iteration; ``"auto"`` lets trials of whole-step
             time decide (the PyTorch optimizer; needs the model).

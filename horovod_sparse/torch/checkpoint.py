@@ -116,7 +116,7 @@ class OptimizerCheckpoint(_OptimizerBase):
         sparse_state = state_dict.pop(_STATE_KEY, None)
         if self._lookahead is not None:
             # Back to the shared parameters, except those a load has just written; the
-            # lookahead is taken again below, from the loaded residual.
+            # next training forward looks ahead from the loaded residual.
             self._lookahead.remove()
         super().load_state_dict(state_dict)
         if self._correction is not None:
@@ -135,7 +135,7 @@ class OptimizerCheckpoint(_OptimizerBase):
             self.engine.restore(sparse_state, self._owner_token)
             self._step_began = None
         if self._lookahead is not None:
-            self._lookahead.apply()
+            self._lookahead.take_at_next_forward()
 
     def _settle_loads(self) -> None:
         """At the first step after the engine was made or loaded from another process

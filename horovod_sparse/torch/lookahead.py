@@ -7,18 +7,22 @@ last ~1/density steps of update missing. At density 0.01 that staleness costs mo
 than the other ranks' gradients bring: the char LM (AdamW, 500 steps, P = 2) ends worse
 than a single rank training alone (2.59 against 2.53 validation loss).
 
-With ``residual_lookahead=True`` the parameters a rank holds between steps are the
-shared ones moved by its own share of the update still pending in its residual::
+With ``residual_lookahead=True`` a rank's training forward and backward run at the
+shared parameters moved by its own share of the update still pending in its residual::
 
     p = shared - lr * postscale * residual
 
 which is the part of the error-feedback "virtual iterate" (the parameters had every
 rank sent everything) that this rank knows. It needs a step that is linear in the
 exchanged tensor, ``p -= lr * exchanged``: plain SGD, or momentum correction (SGD with
-momentum, Adam, AdamW). Every ``step()`` first puts the shared values back (each
-parameter's ``data`` is swapped back to the untouched shared tensor), so the shared
-parameters stay bit-identical on every rank; the optimizer's step then applies the
-exchanged update to them, and the lookahead is taken anew.
+momentum, Adam, AdamW).
+
+When: a forward pre-hook on every module (``register_module_forward_pre_hook``) takes
+the lookahead at the first module call of a training forward (grad enabled, module in
+training mode) after a ``step()``; ``step()`` puts the shared values back before the
+optimizer applies the exchanged update (each parameter's ``data`` is swapped back to
+the untouched shared tensor, so they stay bit-identical on every rank). Between a step
+and the next training forward, evaluation and checkpoints see the shared parameters.
 
 Costs: a second buffer per parameter of the sparse buckets, and one elementwise pass a
 step. Sends nothing.
@@ -26,8 +30,10 @@ step. Sends nothing.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -55,6 +61,12 @@ def lookahead_supported(optimizer: torch.optim.Optimizer, corrected: bool) -> st
         "torch.optim.SGD without momentum, or momentum correction (SGD with momentum, "
         f"Adam, AdamW); got {type(optimizer).__name__} without momentum correction"
     )
+
+
+def _unchanged(param: torch.Tensor, seen: tuple[int, int]) -> bool:
+    """Whether ``param`` holds the storage it held, unwritten, when ``seen`` was taken
+    (its address and version counter)."""
+    return (param.data_ptr(), param._version) == seen
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -96,15 +108,37 @@ class ResidualLookahead:
         # Each moved parameter's storage and version counter right after the move:
         # a parameter written since (a loaded checkpoint) is taken as the shared value.
         self._moved: dict[torch.Tensor, tuple[int, int]] = {}
+        self._due = False  # a lookahead is taken at the next training forward
+        owner = weakref.ref(self)
+        mine = {id(param) for _, param, _ in self._members}
+
+        def before_forward(module: torch.nn.Module, args: Any) -> None:
+            lookahead = owner()
+            if lookahead is None or not lookahead._due or not module.training:
+                return
+            # A module that holds one of these parameters: this optimizer's model.
+            held = module._parameters.values()
+            if torch.is_grad_enabled() and any(id(p) in mine for p in held):
+                lookahead.apply()
+
+        # Global: the optimizer does not know the model. Removed with this object.
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
+        weakref.finalize(self, handle.remove)
 
     @property
     def applied(self) -> bool:
         return bool(self._moved)
 
+    def take_at_next_forward(self) -> None:
+        """Take the lookahead, from the residual as it is then, at the next training
+        forward."""
+        self._due = True
+
     @torch.no_grad()
     def apply(self) -> None:
         """Move each parameter by its pending update; keep the shared values aside."""
         self.remove()
+        self._due = False
         postscale = self.engine.postscale
         for index, param, offset in self._members:
             reducer = self.engine.reducers[index]
@@ -123,8 +157,8 @@ class ResidualLookahead:
     @torch.no_grad()
     def remove(self) -> None:
         """Put the shared values back (the parameters as every rank holds them)."""
-        for param, (address, version) in self._moved.items():
-            if param.data_ptr() == address and param._version == version:
+        for param, moved in self._moved.items():
+            if _unchanged(param, moved):
                 ahead = param.data
                 param.data = self._spare[param]
                 self._spare[param] = ahead
@@ -137,11 +171,17 @@ class ResidualLookahead:
 
     @contextmanager
     def removed(self) -> Iterator[None]:
-        """The shared parameters inside the block; the lookahead again after it."""
-        was_applied = self.applied
+        """The shared parameters inside the block; the same lookahead again after it
+        (the residual may have taken new gradients since: it is not recomputed)."""
+        swapped = [param for param, moved in self._moved.items() if _unchanged(param, moved)]
         self.remove()
+        shared = {param: (param.data_ptr(), param._version) for param in swapped}
         try:
             yield
         finally:
-            if was_applied:
-                self.apply()
+            for param, state in shared.items():
+                if _unchanged(param, state):  # not written inside the block
+                    shared_values = param.data
+                    param.data = self._spare[param]
+                    self._spare[param] = shared_values
+                    self._moved[param] = (param.data_ptr(), param._version)

@@ -150,21 +150,23 @@ class OptimizerStep(_OptimizerBase):
         lookahead = self._lookahead
         if lookahead is None:
             return self._wrapped_step(closure)
-        # The exchanged update applies to the shared parameters; then look ahead anew.
+        # The exchanged update applies to the shared parameters; the next training
+        # forward looks ahead anew.
         lookahead.remove()
         try:
             return self._wrapped_step(closure)
         finally:
-            lookahead.apply()
+            lookahead.take_at_next_forward()
 
     @contextlib.contextmanager
     def shared_parameters(self) -> Iterator[None]:
         """The parameters as every rank holds them, inside the block.
 
-        With ``residual_lookahead=True`` each rank holds, between steps, the shared
-        parameters moved by its own pending update. Evaluate, or save the model for
-        a checkpoint, inside this block to see the shared ones (identical on every
-        rank); the lookahead returns after it. Without the option this does nothing.
+        With ``residual_lookahead=True`` each rank holds, from its training forward to
+        its ``step()``, the shared parameters moved by its own pending update. Inside
+        this block they are the shared ones (identical on every rank), as they are
+        anyway between a ``step()`` and the next training forward; the lookahead
+        returns after it. Without the option this does nothing.
         """
         if self._lookahead is None:
             yield

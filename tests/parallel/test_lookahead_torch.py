@@ -1,5 +1,6 @@
-"""residual_lookahead: each rank holds the shared parameters moved by its own pending
-update; the shared parameters follow the sparse step exactly and agree on every rank."""
+"""residual_lookahead: each rank's training forward and backward run at the shared
+parameters moved by its own pending update; the shared parameters, held between a step
+and the next training forward, follow the sparse step exactly and agree on every rank."""
 
 import copy
 
@@ -52,29 +53,31 @@ def test_gradients_taken_at_the_lookahead_and_shared_parameters_follow_the_step(
     ref = make_adamw(twin)
     (name,) = ref.residuals()
     moved_steps = 0
-    lr = ref.param_groups[0]["lr"]  # the lookahead's: that of the step that took it
     for step in range(8):
+        lr = ref.param_groups[0]["lr"]  # the lookahead's: the groups' at the forward
         shared = twin.weight.detach().clone()
         with torch.no_grad():
             twin.weight.sub_(ref.residuals()[name].view_as(twin.weight), alpha=lr / hvd.size())
-        assert torch.equal(model.weight, twin.weight)  # the lookahead, from the definition
-        moved_steps += int(not torch.equal(model.weight, shared))
+        assert torch.equal(model.weight, shared)  # between steps: the shared parameters
+        with torch.no_grad():
+            model(batch(step)[0])  # no lookahead for a forward without gradients
+        assert torch.equal(model.weight, shared)
         for m, o in ((model, opt), (twin, ref)):
             o.zero_grad()
             loss_of(m, step).backward()
             o.synchronize()
+        assert torch.equal(model.weight, twin.weight)  # the lookahead, from the definition
+        moved_steps += int(not torch.equal(model.weight, shared))
         assert torch.equal(model.weight.grad, twin.weight.grad)
         with torch.no_grad():
             twin.weight.copy_(shared)
         for o in (opt, ref):
             with o.skip_synchronize():
                 o.step()
-        with opt.shared_parameters():
-            assert torch.equal(model.weight, twin.weight)
-            shared_weights_agree(model, f"la.shared.{lr_change}.{step}")
+        assert torch.equal(model.weight, twin.weight)
+        shared_weights_agree(model, f"la.shared.{lr_change}.{step}")
         # Residual mass is conserved the same way with or without the lookahead.
         assert torch.equal(opt.residuals()[name], ref.residuals()[name])
-        lr = ref.param_groups[0]["lr"]
         if lr_change and step == 3:  # a scheduler steps after the optimizer
             for o in (opt, ref):
                 o.param_groups[0]["lr"] = 3e-3
@@ -100,7 +103,7 @@ def test_density_one_is_dense_adamw_with_or_without_lookahead():
         assert torch.equal(a.weight, b.weight)  # nothing pending: nothing moved
 
 
-def test_checkpoint_in_shared_parameters_resumes_exactly():
+def test_checkpoint_saved_after_a_step_resumes_exactly():
     model_a = linear()
     opt_a = make_adamw(model_a, residual_lookahead=True)
 
@@ -111,8 +114,7 @@ def test_checkpoint_in_shared_parameters_resumes_exactly():
             opt.step()
 
     train(model_a, opt_a, 0, 5)
-    with opt_a.shared_parameters():
-        saved_model = copy.deepcopy(model_a.state_dict())
+    saved_model = copy.deepcopy(model_a.state_dict())  # after step(): the shared values
     saved_opt = copy.deepcopy(opt_a.state_dict())
     train(model_a, opt_a, 5, 4)
 
@@ -122,10 +124,18 @@ def test_checkpoint_in_shared_parameters_resumes_exactly():
     model_b.load_state_dict(saved_model)
     opt_b.load_state_dict(saved_opt)
     train(model_b, opt_b, 5, 4)
-    assert torch.equal(model_a.weight, model_b.weight)  # the lookaheads agree too
-    with opt_a.shared_parameters(), opt_b.shared_parameters():
-        assert torch.equal(model_a.weight, model_b.weight)
-        shared_weights_agree(model_b, "la.resumed")
+    assert torch.equal(model_a.weight, model_b.weight)
+    shared_weights_agree(model_b, "la.resumed")
+    lookaheads = []
+    for model, opt in ((model_a, opt_a), (model_b, opt_b)):  # one at a time: same names
+        opt.zero_grad()
+        loss_of(model, 9).backward()  # each model takes its own optimizer's lookahead
+        lookaheads.append(model.weight.detach().clone())
+        with opt.shared_parameters():
+            shared_weights_agree(model, f"la.resumed.shared.{len(lookaheads)}")
+        opt.step()
+    assert torch.equal(lookaheads[0], lookaheads[1])  # the lookaheads agree too
+    assert torch.equal(model_a.weight, model_b.weight)
 
 
 def test_horovod_broadcasts_after_a_restore_leave_every_rank_on_the_same_parameters():
@@ -142,19 +152,23 @@ def test_horovod_broadcasts_after_a_restore_leave_every_rank_on_the_same_paramet
             opt.step()
 
     train(0, 4)
-    committed_model = copy.deepcopy(model.state_dict())  # this rank's lookahead
+    opt.zero_grad()
+    loss_of(model, 4).backward()  # the forward took this rank's lookahead
+    committed_model = copy.deepcopy(model.state_dict())
     committed_opt = copy.deepcopy(opt.state_dict())
     everyone = hvd.allgather(model.weight.detach().reshape(1, -1), name="la.committed")
     assert not torch.equal(everyone[0], everyone[-1])  # the ranks' lookaheads differ
-    train(4, 2)
+    opt.step()
+    train(5, 2)
+    opt.zero_grad()
+    loss_of(model, 7).backward()  # a reset comes in the middle of a step
     model.load_state_dict(committed_model)
     opt.load_state_dict(committed_opt)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     shared_weights_agree(model, "la.synced")
-    train(6, 3)
-    with opt.shared_parameters():
-        shared_weights_agree(model, "la.after_sync")
+    train(8, 3)
+    shared_weights_agree(model, "la.after_sync")
 
 
 def test_plain_sgd_looks_ahead_by_the_pending_gradient():
@@ -166,14 +180,17 @@ def test_plain_sgd_looks_ahead_by_the_pending_gradient():
         residual_lookahead=True,
     )
     (name,) = opt.residuals()
-    for step in range(3):
+    for step in range(4):
+        shared = model.weight.detach().clone()
+        expected = shared - 0.1 / hvd.size() * opt.residuals()[name].view_as(shared)
         opt.zero_grad()
         loss_of(model, step).backward()
-        opt.step()
-        with opt.shared_parameters():
-            shared = model.weight.detach().clone()
-        expected = shared - 0.1 / hvd.size() * opt.residuals()[name].view_as(shared)
         torch.testing.assert_close(model.weight.detach(), expected, rtol=0, atol=1e-7)
+        with opt.shared_parameters():
+            assert torch.equal(model.weight, shared)
+        torch.testing.assert_close(model.weight.detach(), expected, rtol=0, atol=1e-7)
+        opt.step()
+    assert not torch.equal(expected, shared)
 
 
 @pytest.mark.parametrize(
