@@ -166,7 +166,7 @@ class ResidualLookahead:
         self._moved.clear()
 
     def forget(self) -> None:
-        """Take the parameters as they are now as the shared ones (after a load)."""
+        """Take the parameters as they are now as the shared ones (after a broadcast)."""
         self._moved.clear()
 
     @contextmanager
