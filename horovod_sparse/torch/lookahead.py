@@ -159,11 +159,15 @@ class ResidualLookahead:
         """Put the shared values back (the parameters as every rank holds them)."""
         for param, moved in self._moved.items():
             if _unchanged(param, moved):
-                ahead = param.data
-                param.data = self._spare[param]
-                self._spare[param] = ahead
+                self._swap(param)
             # else: written since (a load); its values are the shared ones now.
         self._moved.clear()
+
+    def _swap(self, param: torch.Tensor) -> None:
+        """Exchange the tensor ``param`` holds with its spare (no pass over memory)."""
+        held = param.data
+        param.data = self._spare[param]
+        self._spare[param] = held
 
     def forget(self) -> None:
         """Take the parameters as they are now as the shared ones (after a broadcast)."""
@@ -181,7 +185,5 @@ class ResidualLookahead:
         finally:
             for param, state in shared.items():
                 if _unchanged(param, state):  # not written inside the block
-                    shared_values = param.data
-                    param.data = self._spare[param]
-                    self._spare[param] = shared_values
+                    self._swap(param)
                     self._moved[param] = (param.data_ptr(), param._version)
