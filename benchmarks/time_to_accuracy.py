@@ -3,7 +3,7 @@ gradients needs to reach the validation metric that dense Horovod ends with.
 
 Every mode of a task trains the same model on the same data order with the same
 hyperparameters and seeds: dense Horovod (``hvd.DistributedOptimizer``), the sparse
-Horovod optimizer with its defaults and with ``residual_lookahead``, DDP's own
+Horovod optimizer with its defaults and without ``residual_lookahead``, DDP's own
 allreduce, the sparse DDP hook (with the task's optimizer run in the hook: SGD momentum
 for digits, AdamW for the char LM), and
 PowerSGD rank 1 and 4 under DDP (Keras digits: dense and sparse only). Each run
@@ -18,6 +18,7 @@ final metric on that seed; a mode's time to it is the first evaluation that reac
     python benchmarks/time_to_accuracy.py --sizes 2 --reuse  # rerun only the missing runs
     sudo -E .venv/bin/python benchmarks/time_to_accuracy.py --tasks wide_mlp --sizes 4 \
         --links 1g --eval-every 25 --modes "sparse (defaults),DDP sparse hook"   # 25.6M
+    python benchmarks/time_to_accuracy.py --modes "sparse (no lookahead)"  # before the default
 
 ``1g`` and ``10g`` run every rank in its own network namespace on a shaped link
 (``benchmarks/cluster/``, root only: without root those links are skipped with a
@@ -77,7 +78,8 @@ def modes(task: str, example: str, hook_options: tuple[str, ...]) -> tuple[Mode,
     return (
         Mode(DENSE, horovod, ("--density", "1.0"), "horovod"),
         Mode("sparse (defaults)", horovod, (), "horovod"),
-        Mode("sparse (residual lookahead)", horovod, ("--residual-lookahead",), "horovod"),
+        # The defaults before residual lookahead: gradients at the shared parameters.
+        Mode("sparse (no lookahead)", horovod, ("--no-residual-lookahead",), "horovod"),
         # DDP's own dense allreduce: the DDP rows' baseline without Horovod's runtime.
         Mode("DDP allreduce", ddp, (*common, "--hook", "allreduce"), "torch"),
         Mode("DDP sparse hook", ddp, (*common, "--hook", "sparse", *hook_options), "torch"),

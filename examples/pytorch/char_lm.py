@@ -131,8 +131,8 @@ def main() -> None:
         "--fusion-threshold-bytes", type=int, default=None, help="sparse bucket capacity"
     )
     parser.add_argument(
-        "--residual-lookahead", action="store_true", help="each rank steps from its own lookahead"
-    )
+        "--no-residual-lookahead", dest="residual_lookahead", action="store_const", const=False
+    )  # gradients at the shared parameters (ablation); the default is the optimizer's
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--json", default=None, help="write the curves here (rank 0)")

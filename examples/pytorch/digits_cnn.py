@@ -125,8 +125,8 @@ def parse(
     )
     parser.add_argument("--log-every", type=int, default=0, help="the optimizer's log_every")
     parser.add_argument(
-        "--residual-lookahead", action="store_true", help="each rank steps from its own lookahead"
-    )
+        "--no-residual-lookahead", dest="residual_lookahead", action="store_const", const=False
+    )  # gradients at the shared parameters (ablation); the default is the optimizer's
     parser.set_defaults(**defaults)
     return parser.parse_args(argv)
 

@@ -92,8 +92,10 @@ class SparseConfig:
             shared parameters moved by its own share of the update still pending in
             its residual (``p = shared - lr * postscale * residual``), so its gradients
             are taken where its own updates have led; ``step()`` puts the shared values
-            back (:mod:`horovod_sparse.torch.lookahead`; the PyTorch optimizer, with
-            plain SGD or momentum correction).
+            back (:mod:`horovod_sparse.torch.lookahead`). ``None`` turns it on where it
+            applies (the PyTorch optimizer with error feedback, a sparse bucket, no
+            ``overlap_allgather``, and plain SGD or momentum correction), ``True``
+            insists, ``False`` takes gradients at the shared parameters.
         overlap_allgather: ``True`` defers each bucket's all-gather and update to a
             forward pre-hook of the next iteration; ``"auto"`` lets trials of whole-step
             time decide (the PyTorch optimizer; needs the model).
@@ -130,7 +132,7 @@ class SparseConfig:
     dense_fusion_bytes: int | None = None
     error_feedback: bool = True
     momentum_correction: bool | None = None
-    residual_lookahead: bool = False
+    residual_lookahead: bool | None = None
     overlap_allgather: bool | str = False
     scheduler: str = "fixed"
     scheduler_steps: int = 100
@@ -149,7 +151,7 @@ class SparseConfig:
         _check_choice("overlap_allgather", self.overlap_allgather, OVERLAP_SETTINGS)
         _check_choice("momentum_correction", self.momentum_correction, (None, True, False))
         _check_choice("join_buckets", self.join_buckets, (True, False))
-        _check_choice("residual_lookahead", self.residual_lookahead, (True, False))
+        _check_choice("residual_lookahead", self.residual_lookahead, (None, True, False))
         for knob in ("reestimate_steps", "repartition_steps", "scheduler_steps", "refresh_steps"):
             _check_at_least(knob, getattr(self, knob), 1)
         for knob in ("min_sparse_numel", "warmup_steps", "density_decay_steps", "log_every"):

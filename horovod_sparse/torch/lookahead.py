@@ -18,11 +18,13 @@ exchanged tensor, ``p -= lr * exchanged``: plain SGD, or momentum correction (SG
 momentum, Adam, AdamW).
 
 When: a forward pre-hook on every module (``register_module_forward_pre_hook``) takes
-the lookahead at the first module call of a training forward (grad enabled, module in
-training mode) after a ``step()``; ``step()`` puts the shared values back before the
-optimizer applies the exchanged update (each parameter's ``data`` is swapped back to
-the untouched shared tensor, so they stay bit-identical on every rank). Between a step
-and the next training forward, evaluation and checkpoints see the shared parameters.
+the lookahead at the first call, after a ``step()``, of a module in training mode that
+holds one of the optimizer's parameters, with grad enabled: the model itself, or the
+wrapper ``torch.compile`` returns, whose hooks run before its compiled graph. ``step()``
+puts the shared values back before the optimizer applies the exchanged update (each
+parameter's ``data`` is swapped back to the untouched shared tensor, so they stay
+bit-identical on every rank). Between a step and the next training forward, evaluation
+and checkpoints see the shared parameters.
 
 Costs: a second buffer per parameter of the sparse buckets, and one elementwise pass a
 step. Sends nothing.
@@ -113,12 +115,16 @@ class ResidualLookahead:
         mine = {id(param) for _, param, _ in self._members}
 
         def before_forward(module: torch.nn.Module, args: Any) -> None:
+            if torch.compiler.is_compiling():
+                # Inside a graph being traced: the module that holds this compiled
+                # code (``torch.compile``'s wrapper) ran this hook eagerly already.
+                return
             lookahead = owner()
             if lookahead is None or not lookahead._due or not module.training:
                 return
-            # A module that holds one of these parameters: this optimizer's model.
-            held = module._parameters.values()
-            if torch.is_grad_enabled() and any(id(p) in mine for p in held):
+            # The outermost module called that holds one of these parameters: this
+            # optimizer's model (or a compiled wrapper of it), before its graph runs.
+            if torch.is_grad_enabled() and any(id(p) in mine for p in module.parameters()):
                 lookahead.apply()
 
         # Global: the optimizer does not know the model. Removed with this object.

@@ -117,6 +117,7 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
         self._deferred: DeferredUpdates | None = None
         self._correction: Correction | None = None
         self._lookahead: ResidualLookahead | None = None
+        self._looks_ahead = False  # residual_lookahead, resolved with the options
         self._step_began: float | None = None  # host time the current step's backward began
         # Identifies this optimizer's own saved states (elastic commit/restore), whose
         # residuals belong to this process whatever its rank is now.
@@ -150,7 +151,7 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
         )
         self._correction = attach_correction(self._correction, self.engine, self._buckets, params)
         self._routing.correction = self._correction
-        if config.residual_lookahead:
+        if self._looks_ahead:
             self._lookahead = ResidualLookahead(self, self.engine, self._buckets, params)
         for _, p in named:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -189,8 +190,7 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
             self._correction = make_correction(
                 self, config.momentum_correction, _can_be_sparse(config, named)
             )
-            if config.residual_lookahead and _can_be_sparse(config, named):
-                _check_lookahead(self, config, self._correction is not None)
+            self._looks_ahead = _resolve_lookahead(self, config, named, self._correction)
             if config.overlap_allgather and not isinstance(model, torch.nn.Module):
                 raise TypeError(
                     f"overlap_allgather={config.overlap_allgather!r} needs model=<the "
@@ -216,9 +216,9 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
         the policy is the engine's (each surviving rank keeps its residual)."""
         if self.process_set.size() == self._world_size:
             return
-        if self._lookahead is not None:
-            # Elastic Horovod broadcasts the parameters after a reset: they are shared.
-            self._lookahead.forget()
+        # The lookahead is left alone: this step's forward may have taken it already
+        # (after elastic Horovod's broadcasts, which made the parameters the shared
+        # ones), and step() must put those shared values back.
         self._world_size = self.process_set.size()
         self._set_scales()
         buckets, buffers, config = self._buckets, self.engine.buffers, self.sparse_config
@@ -264,20 +264,33 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
         self.engine.open_step()
 
 
-def _check_lookahead(
-    optimizer: torch.optim.Optimizer, config: SparseConfig, corrected: bool
-) -> None:
-    """Refuse ``residual_lookahead`` where the step would not go where it looks."""
+def _resolve_lookahead(
+    optimizer: torch.optim.Optimizer,
+    config: SparseConfig,
+    named: list[tuple[str, torch.Tensor]],
+    correction: Correction | None,
+) -> bool:
+    """Whether ``residual_lookahead`` applies: ``None`` where the step goes where it
+    looks, ``True`` insists (refused otherwise), ``False`` never.
+
+    Raises:
+        ValueError: ``residual_lookahead=True`` where the step would not go where it
+            looks.
+    """
+    if config.residual_lookahead is False or not _can_be_sparse(config, named):
+        return False
     if config.overlap_allgather:
-        raise ValueError(
+        problem: str | None = (
             "residual_lookahead=True does not apply with overlap_allgather: the deferred "
             "updates step the parameters inside the next forward pass"
         )
-    if not config.error_feedback:
-        raise ValueError("residual_lookahead=True needs error_feedback=True (a residual)")
-    problem = lookahead_supported(optimizer, corrected)
-    if problem is not None:
+    elif not config.error_feedback:
+        problem = "residual_lookahead=True needs error_feedback=True (a residual)"
+    else:
+        problem = lookahead_supported(optimizer, correction is not None)
+    if problem is not None and config.residual_lookahead:
         raise ValueError(problem)
+    return problem is None
 
 
 def _can_be_sparse(config: SparseConfig, named: list[tuple[str, torch.Tensor]]) -> bool:

@@ -49,8 +49,8 @@ def test_gradients_taken_at_the_lookahead_and_shared_parameters_follow_the_step(
     forward, the twin's weight is moved by -lr/P times its optimizer's residual, and
     put back before the step."""
     model, twin = linear(), linear()
-    opt = make_adamw(model, residual_lookahead=True)
-    ref = make_adamw(twin)
+    opt = make_adamw(model)  # the default: on, for AdamW's corrected step
+    ref = make_adamw(twin, residual_lookahead=False)
     (name,) = ref.residuals()
     moved_steps = 0
     for step in range(8):
@@ -227,3 +227,59 @@ def test_refused_with_overlap_allgather():
             overlap_allgather=True,
             model=model,
         )
+
+
+def test_default_is_on_where_the_step_is_linear_and_off_where_it_is_not():
+    """The default (None) looks ahead with AdamW's corrected step, and takes the
+    gradients at the shared parameters, without an error, where it cannot apply."""
+
+    def moved_at_the_forward(make, **options) -> bool:
+        model = linear()
+        opt = hvds.DistributedOptimizer(
+            make(model.parameters()), model.named_parameters(), density=0.02, **options
+        )
+        moved = False
+        for step in range(3):
+            shared = model.weight.detach().clone()
+            opt.zero_grad()
+            loss_of(model, step).backward()
+            moved = moved or not torch.equal(model.weight, shared)
+            opt.step()
+        return moved
+
+    assert moved_at_the_forward(lambda p: torch.optim.AdamW(p, lr=1e-2))
+    assert moved_at_the_forward(lambda p: torch.optim.SGD(p, lr=0.1))
+    assert not moved_at_the_forward(
+        lambda p: torch.optim.AdamW(p, lr=1e-2), residual_lookahead=False
+    )
+    assert not moved_at_the_forward(lambda p: torch.optim.RMSprop(p, lr=1e-3))
+    assert not moved_at_the_forward(
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), momentum_correction=False
+    )
+    assert not moved_at_the_forward(lambda p: torch.optim.SGD(p, lr=0.1), error_feedback=False)
+
+
+def test_a_compiled_model_takes_the_lookahead_before_its_graph_runs():
+    """``torch.compile``'s wrapper runs the hook eagerly; inside the traced graph it does
+    nothing. The aot_eager backend runs the same kernels as eager: bitwise equal."""
+    torch._dynamo.reset()
+    eager, compiled = linear(), linear()
+    opt_eager, opt_compiled = make_adamw(eager), make_adamw(compiled)
+    forward = torch.compile(compiled, backend="aot_eager")
+    moved_steps = 0
+    for step in range(6):
+        shared = eager.weight.detach().clone()
+        for run, opt in ((eager, opt_eager), (forward, opt_compiled)):
+            opt.zero_grad()
+            x, c = batch(step)
+            (torch.tanh(run(x)) * c).sum().backward()
+            opt.synchronize()  # one exchange in flight at a time: the same names
+        assert torch.equal(compiled.weight, eager.weight)  # the same lookahead
+        assert torch.equal(compiled.weight.grad, eager.weight.grad)
+        moved_steps += int(not torch.equal(eager.weight, shared))
+        for opt in (opt_eager, opt_compiled):
+            with opt.skip_synchronize():
+                opt.step()
+        assert torch.equal(compiled.weight, eager.weight)
+        shared_weights_agree(compiled, f"la.compiled.{step}")
+    assert moved_steps >= 4

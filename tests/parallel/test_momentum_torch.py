@@ -202,7 +202,8 @@ def test_adam_correction_sends_adam_directions_and_steps_by_them():
         t = step + 1
         direction = (first / (1 - beta1**t)) / ((second / (1 - beta2**t)).sqrt() + eps)
         acc = residual + direction
-        before = model.weight.detach().clone().reshape(-1)
+        with opt.shared_parameters():  # where the step starts (not the lookahead)
+            before = model.weight.detach().clone().reshape(-1)
         opt.synchronize()
         got = model.weight.grad.reshape(-1)
         # Adam's directions cluster (all +-1 at the first step), so the top k is full of

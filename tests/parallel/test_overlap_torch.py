@@ -45,6 +45,9 @@ def build(make_opt, overlap: bool, **options):
         fusion_threshold_bytes=BUCKET_BYTES,
         overlap_allgather=overlap,
         model=model if overlap else None,
+        # Overlap defers the update into the next forward, so it takes no lookahead;
+        # the trajectories compared are those without it.
+        residual_lookahead=False,
         **options,
     )
     return model, opt
