@@ -200,9 +200,19 @@ class Backend(Protocol):
         """``beta * buffer + (1 - beta) * value**2``, in place where the framework allows."""
 
     def adam_ratio(
-        self, first: Tensor, second: Tensor, first_scale: Any, second_scale: Any, eps: float
+        self,
+        first: Tensor,
+        second: Tensor,
+        first_scale: Any,
+        second_scale: Any,
+        eps: float,
+        ranks: int,
     ) -> Tensor:
-        """A new ``(first / first_scale) / (sqrt(second / second_scale) + eps)``."""
+        """A new ``m / (sqrt(v) + eps)`` with ``m = first / first_scale`` and, for the
+        average of ``ranks`` ranks' gradients, ``v = second / second_scale / ranks +
+        (1 - 1 / ranks) * min(m**2, second / second_scale)`` (see
+        :func:`~horovod_sparse.common.correction.adam_direction`); Adam's own ratio at
+        ``ranks == 1``."""
 
     def copy(self, tensor: Tensor) -> Tensor: ...
     def assign(self, buffer: Tensor, source: Any) -> Tensor:

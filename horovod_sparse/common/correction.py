@@ -49,14 +49,27 @@ def adam_direction(
     betas: tuple[float, float],
     eps: float,
     step: Any,
+    ranks: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Adam's bias-corrected step direction ``m_hat / (sqrt(v_hat) + eps)`` at ``step``
-    (1-based: a host number or a scalar tensor). Returns ``(direction, m, v)``; the
-    moments are updated in place where the framework allows."""
+    """Adam's bias-corrected step direction at ``step`` (1-based: a host number or a
+    scalar tensor), normalized for the average of ``ranks`` ranks' gradients. Returns
+    ``(direction, m, v)``; the moments are updated in place where the framework allows.
+
+    Each rank keeps Adam's moments of its own gradient, but dense Horovod's Adam
+    normalizes the average of ``ranks`` gradients, whose noise variance is ``1 /
+    ranks`` of one rank's: where noise dominates a coordinate, dense's step is up to
+    ``sqrt(ranks)`` times the per-rank direction's. The second moment of the average
+    is estimated from this rank's moments alone, taking ``m_hat**2`` as the signal's
+    square and the rest of ``v_hat`` as noise:
+    ``v = v_hat / ranks + (1 - 1 / ranks) * min(m_hat**2, v_hat)`` (``v_hat`` where
+    the signal dominates, ``v_hat / ranks`` where noise does). The direction is
+    ``m_hat / (sqrt(v) + eps)``: Adam's own at ``ranks == 1``. It assumes the ranks'
+    gradients are independent samples (data parallelism); where they are equal it
+    steps up to ``sqrt(ranks)`` times further than Adam would."""
     beta1, beta2 = betas
     first = ops.moving_average_(first, grad, beta1)
     second = ops.moving_average_of_square_(second, grad, beta2)
-    direction = ops.adam_ratio(first, second, 1.0 - beta1**step, 1.0 - beta2**step, eps)
+    direction = ops.adam_ratio(first, second, 1.0 - beta1**step, 1.0 - beta2**step, eps, ranks)
     return direction, first, second
 
 

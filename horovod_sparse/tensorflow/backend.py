@@ -145,11 +145,20 @@ class TFBackend(HorovodPrimitives):
         return beta * buffer + (1.0 - beta) * tf.square(value)
 
     def adam_ratio(
-        self, first: tf.Tensor, second: tf.Tensor, first_scale: Any, second_scale: Any, eps: float
+        self,
+        first: tf.Tensor,
+        second: tf.Tensor,
+        first_scale: Any,
+        second_scale: Any,
+        eps: float,
+        ranks: int,
     ) -> tf.Tensor:
-        scale1 = tf.cast(first_scale, first.dtype)
-        scale2 = tf.cast(second_scale, second.dtype)
-        return (first / scale1) / (tf.sqrt(second / scale2) + eps)
+        first_hat = first / tf.cast(first_scale, first.dtype)
+        second_hat = second / tf.cast(second_scale, second.dtype)
+        if ranks > 1:  # the average's second moment (common.correction.adam_direction)
+            signal = tf.minimum(tf.square(first_hat), second_hat)
+            second_hat = signal * (1.0 - 1.0 / ranks) + second_hat * (1.0 / ranks)
+        return first_hat / (tf.sqrt(second_hat) + eps)
 
     def copy(self, tensor: tf.Tensor) -> tf.Tensor:
         return tf.identity(tensor)

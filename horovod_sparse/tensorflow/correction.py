@@ -41,10 +41,12 @@ def correct(
     moments: tuple[Any, Any] | None,
     adam: AdamSettings | None,
     adam_step: Any,
+    ranks: int,
 ) -> Corrected:
     """SGD's momentum direction ``u = m * u + flat`` (``flat + m * u`` for Nesterov) from
-    the velocity variable, or Adam's bias-corrected direction from the moments'
-    variables; ``flat`` itself without either. The same whatever kind the step is, so
+    the velocity variable, or Adam's bias-corrected direction (normalized for the
+    average of ``ranks`` ranks) from the moments' variables; ``flat`` itself without
+    either. The same whatever kind the step is, so
     it runs outside any ``tf.cond`` on the kind."""
     updated = None
     updates: list[Any] = []
@@ -56,7 +58,7 @@ def correct(
         first, second = (tf.convert_to_tensor(m) for m in moments)
         betas = (adam.beta_1, adam.beta_2)
         flat, first, second = adam_direction(
-            BACKEND, flat, first, second, betas, adam.epsilon, adam_step
+            BACKEND, flat, first, second, betas, adam.epsilon, adam_step, ranks
         )
         updates += [moments[0].assign(first), moments[1].assign(second)]
     return Corrected(flat, updated, updates)

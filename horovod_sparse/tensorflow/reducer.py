@@ -247,6 +247,7 @@ class GradientReducer:
                 state.moments,
                 self.adam,
                 adam_step,
+                self.process_set.size(),
             )
             for _, positions, state in self.buckets
         ]

@@ -77,9 +77,11 @@ class SparseState(StateSaving):
             Without it, error feedback's late lumps meet the optimizer's momentum, which
             amplifies them (default 0: off; a hook cannot see the optimizer).
         betas, eps: Adam's, run by the hook instead (``ddp_correction``): each rank keeps
-            its own moments and the exchange carries Adam's direction; the optimizer is
-            ``SGD(params, lr, weight_decay=wd)``: ``AdamW(params, lr, betas, eps, wd)``
-            where the ranks' gradients agree (default None: off).
+            its own moments and the exchange carries Adam's direction, normalized for
+            the average of the ranks' gradients
+            (:func:`~horovod_sparse.common.correction.adam_direction`); the optimizer is
+            ``SGD(params, lr, weight_decay=wd)``, whose decay is AdamW's decoupled one
+            (default None: off).
         grad_scaler: the ``torch.amp.GradScaler`` of fp16 training: the hook works on
             unscaled gradients and undoes a step the scaler will skip (``ddp_scaling``).
         fp16_values: send the sparse buckets' values as fp16 (indices stay int32): 6
@@ -287,7 +289,8 @@ class SparseState(StateSaving):
     def _correct(self, key: int, buffer: torch.Tensor) -> None:
         """Replace the gradient in ``buffer`` by this rank's SGD momentum or Adam
         direction, when the state has one (``ddp_correction.HookCorrection``)."""
-        self.correction.correct(key, buffer, self.iteration + 1)
+        ranks = dist.get_world_size(self.process_group)
+        self.correction.correct(key, buffer, self.iteration + 1, ranks)
 
     def _scaled(self, key: int, buffer: torch.Tensor, reducer: Any) -> Any:
         """With a GradScaler: ``buffer`` unscaled, and the completion that rescales the

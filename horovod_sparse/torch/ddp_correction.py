@@ -68,16 +68,17 @@ class HookCorrection:
             return ("exp_avg", "exp_avg_sq")
         return ("momentum_buffer",) if self.momentum else ()
 
-    def correct(self, key: int, buffer: torch.Tensor, step: int) -> None:
+    def correct(self, key: int, buffer: torch.Tensor, step: int, ranks: int) -> None:
         """Replace the gradient in ``buffer`` by this rank's direction at ``step``
-        (1-based), updating what is kept for ``key``."""
+        (1-based) for an average over ``ranks`` ranks, updating what is kept for
+        ``key``."""
         if not self.names:
             return
         kept = self.tensors(key, buffer)
         if self.betas is not None:
             first, second = kept
             direction, _, _ = adam_direction(
-                _OPS, buffer, first, second, self.betas, self.eps, step
+                _OPS, buffer, first, second, self.betas, self.eps, step, ranks
             )
         else:
             direction, _ = sgd_direction(_OPS, buffer, kept[0], self.momentum, 0.0, self.nesterov)

@@ -108,10 +108,14 @@ class TorchKernels(HorovodPrimitives):
         first_scale: float,
         second_scale: float,
         eps: float,
+        ranks: int,
     ) -> torch.Tensor:
         # torch.optim.Adam's own order of operations (its non-capturable path).
-        denominator = (second / second_scale).sqrt_().add_(eps)
-        return (first / first_scale).div_(denominator)
+        first_hat, second_hat = first / first_scale, second / second_scale
+        if ranks > 1:  # the average's second moment (common.correction.adam_direction)
+            signal = torch.minimum(first_hat * first_hat, second_hat)
+            second_hat = signal.mul_(1.0 - 1.0 / ranks).add_(second_hat, alpha=1.0 / ranks)
+        return first_hat.div_(second_hat.sqrt_().add_(eps))
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone()

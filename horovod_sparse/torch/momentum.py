@@ -21,7 +21,9 @@ direction on each rank from its own gradient and exchanges that direction instea
   zeroed in its velocity (momentum factor masking; applied by
   :class:`~horovod_sparse.common.pipeline.BucketReducer`).
 - :class:`AdamCorrection` (Adam, AdamW): each rank keeps its own first and second
-  moments and sends the bias-corrected ``m / (sqrt(v) + eps)``. The step is
+  moments and sends the bias-corrected ``m / (sqrt(v) + eps)``, ``v`` normalized for
+  the average of the ranks' gradients
+  (:func:`~horovod_sparse.common.correction.adam_direction`). The step is
   ``p -= lr * exchanged`` (and AdamW's decoupled decay ``p *= 1 - lr * wd``). Error
   feedback then conserves the direction's mass: a lump moves a weight as far as the
   steps it stands for would have.
@@ -88,6 +90,9 @@ class Correction:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        # Ranks whose directions are averaged: Adam's normalization follows it (the
+        # optimizer sets it, and again when the world size changes).
+        self.ranks = 1
         self.views: dict[str, dict[torch.Tensor, torch.Tensor]] = {
             name: {} for name in self.buffer_names
         }
@@ -264,7 +269,9 @@ class AdamCorrection(Correction):
             self._bind(state, key, self.views[name][param])
         state["step"] += 1
         t = float(state["step"])
-        direction, _, _ = adam_direction(_OPS, g, first, second, (beta1, beta2), group["eps"], t)
+        direction, _, _ = adam_direction(
+            _OPS, g, first, second, (beta1, beta2), group["eps"], t, self.ranks
+        )
         return direction
 
     def _step_corrected(self, wrapped_step: Callable[[Any], Any]) -> None:

@@ -210,6 +210,8 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
         self.engine.prescale, self.engine.postscale = optimizer_scales(
             op_name(self.op), self.process_set.size(), self.gradient_predivide_factor
         )
+        if self._correction is not None:
+            self._correction.ranks = self.process_set.size()
 
     def _follow_world_size(self) -> None:
         """Rebuild the reducers when the process set changed size (elastic Horovod);

@@ -1,7 +1,8 @@
 """The DDP hook's Adam correction (``SparseState(betas=..., eps=...)`` with
-``SGD(params, lr, weight_decay=wd)``): against AdamW where every rank has the same
-gradient, against each rank's own Adam direction with the mass invariant where they
-differ, and through a checkpoint (launched by torchrun, Gloo)."""
+``SGD(params, lr, weight_decay=wd)``): against AdamW's decay and the averaged Adam
+direction from their definition where every rank has the same gradient, against each
+rank's own direction with the mass invariant where they differ, and through a
+checkpoint (launched by torchrun, Gloo)."""
 
 import io
 import pickle
@@ -30,8 +31,6 @@ def batch(step: int, same: bool) -> tuple[torch.Tensor, torch.Tensor]:
 def make_run(state):
     torch.manual_seed(0)
     model = DistributedDataParallel(SmallNet(), bucket_cap_mb=0.03)  # several buckets
-    if state is None:
-        return model, torch.optim.AdamW(model.parameters(), LR, BETAS, EPS, WD)
     model.register_comm_hook(state, sparse_allreduce_hook)
     return model, torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WD)
 
@@ -48,16 +47,34 @@ def flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def test_at_density_one_with_one_gradient_on_every_rank_it_is_adamw():
-    """Each rank's Adam direction of the same gradient is AdamW's; SGD's weight decay is
-    AdamW's decoupled decay. Across DDP's first iteration and its bucket rebuild."""
-    adamw, adamw_optimizer = make_run(None)
+def averaged_adam_direction(first, second, t):
+    """Adam's bias-corrected direction normalized for the average of SIZE ranks'
+    gradients: m_hat / (sqrt(v) + eps), v = v_hat / P + (1 - 1/P) min(m_hat^2, v_hat)."""
+    m_hat, v_hat = first / (1 - BETAS[0] ** t), second / (1 - BETAS[1] ** t)
+    v = v_hat / SIZE + (1 - 1 / SIZE) * torch.minimum(m_hat * m_hat, v_hat)
+    return m_hat / (v.sqrt() + EPS)
+
+
+def test_at_density_one_with_one_gradient_on_every_rank_it_is_the_averaged_adamw():
+    """At density 1 with the same gradient on every rank, each parameter follows AdamW's
+    decoupled decay (SGD's weight decay) plus -lr times the averaged Adam direction,
+    from its definition, across DDP's first iteration and its bucket rebuild."""
+    torch.manual_seed(0)
+    reference = SmallNet()  # make_run's initial weights
+    moments = {p: (torch.zeros_like(p), torch.zeros_like(p)) for p in reference.parameters()}
     state = SparseState(density=1.0, betas=BETAS, eps=EPS, min_sparse_numel=0)
     hooked, sgd = make_run(state)
     for step in range(6):
-        train(adamw, adamw_optimizer, [step], same=True)
+        x, y = batch(step, same=True)
+        reference.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        with torch.no_grad():
+            for p, (first, second) in moments.items():
+                first.mul_(BETAS[0]).add_(p.grad, alpha=1 - BETAS[0])
+                second.mul_(BETAS[1]).addcmul_(p.grad, p.grad, value=1 - BETAS[1])
+                p.mul_(1 - LR * WD).sub_(LR * averaged_adam_direction(first, second, step + 1))
         train(hooked, sgd, [step], same=True)
-        torch.testing.assert_close(flat(hooked), flat(adamw), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(flat(hooked), flat(reference), rtol=1e-5, atol=1e-6)
     moments = state.state_dict()["adam_moments"]  # cut from the whole first bucket's
     assert len(moments) >= 2 and -1 not in moments
 
@@ -75,7 +92,7 @@ def test_the_exchange_carries_each_ranks_adam_direction_and_keeps_its_mass():
         first.mul_(BETAS[0]).add_(grad, alpha=1 - BETAS[0])
         second.mul_(BETAS[1]).addcmul_(grad, grad, value=1 - BETAS[1])
         t = step + 1
-        direction = (first / (1 - BETAS[0] ** t)) / ((second / (1 - BETAS[1] ** t)).sqrt() + EPS)
+        direction = averaged_adam_direction(first, second, t)
         model.zero_grad()
         model(grad).backward()
         got = model.module.weight.grad.detach().numpy().copy()

@@ -174,7 +174,8 @@ def test_checkpoint_carries_velocities():
 
 
 def test_adam_correction_sends_adam_directions_and_steps_by_them():
-    """AdamW: the exchange carries each rank's bias-corrected m / (sqrt(v) + eps); the
+    """AdamW: the exchange carries each rank's bias-corrected m_hat / (sqrt(v) + eps), v
+    the P-rank average's second moment v_hat / P + (1 - 1/P) min(m_hat^2, v_hat); the
     step is the decoupled decay plus ``-lr`` times the exchanged direction."""
     torch.manual_seed(1)
     model = torch.nn.Linear(100, 200, bias=False)
@@ -200,7 +201,10 @@ def test_adam_correction_sends_adam_directions_and_steps_by_them():
         first.mul_(beta1).add_(grad, alpha=1 - beta1)
         second.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         t = step + 1
-        direction = (first / (1 - beta1**t)) / ((second / (1 - beta2**t)).sqrt() + eps)
+        m_hat, v_hat = first / (1 - beta1**t), second / (1 - beta2**t)
+        ranks = hvd.size()
+        v = v_hat / ranks + (1 - 1 / ranks) * torch.minimum(m_hat * m_hat, v_hat)
+        direction = m_hat / (v.sqrt() + eps)
         acc = residual + direction
         with opt.shared_parameters():  # where the step starts (not the lookahead)
             before = model.weight.detach().clone().reshape(-1)

@@ -936,8 +936,9 @@ def test_keras_momentum_correction_resolution():
 
 @pytest.mark.parametrize("density", [1.0, 0.05])
 def test_keras_adam_correction_exchanges_each_ranks_adam_direction(density):
-    """Each rank's own Adam direction m_hat / (sqrt(v_hat) + eps) is exchanged (with error
-    feedback at density < 1) and the variable steps by -lr times the reduced direction.
+    """Each rank's own Adam direction m_hat / (sqrt(v) + eps) is exchanged (with error
+    feedback at density < 1) and the variable steps by -lr times the reduced direction;
+    v is the P-rank average's second moment, v_hat / P + (1 - 1/P) min(m_hat^2, v_hat).
 
     With a small epsilon Adam's first direction is sign(g): every magnitude ties at 1 and
     float rounding picks the top k. An epsilon of 1 keeps the magnitudes |g| / (|g| + 1)
@@ -961,7 +962,10 @@ def test_keras_adam_correction_exchanges_each_ranks_adam_direction(density):
         g = grad.numpy().astype(np.float64)
         first = beta1 * first + (1 - beta1) * g
         second = beta2 * second + (1 - beta2) * g * g
-        direction = (first / (1 - beta1**t)) / (np.sqrt(second / (1 - beta2**t)) + eps)
+        m_hat, v_hat = first / (1 - beta1**t), second / (1 - beta2**t)
+        ranks = hvd.size()
+        v = v_hat / ranks + (1 - 1 / ranks) * np.minimum(m_hat * m_hat, v_hat)
+        direction = m_hat / (np.sqrt(v) + eps)
         acc = residual + direction.astype(np.float32)
         everyone = gather_rows(tf.constant(acc), f"kadam.{density}.{t}")
         opt.apply_gradients([(grad, weight)])

@@ -125,6 +125,46 @@ def test_add_scaled_at_adds_a_slice_and_leaves_the_rest(backend, offset, numel):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_adam_direction_is_normalized_for_the_average_of_the_ranks(backend, ranks):
+    """Adam's own direction at one rank; for P ranks, the second moment of the average:
+    unchanged where the signal dominates (m_hat^2 >= v_hat), sqrt(P) times Adam's
+    where the first moment is zero (noise alone)."""
+    from horovod_sparse.common.correction import adam_direction
+
+    ops, to, back = backend
+    betas, eps, step = (0.9, 0.999), 1e-8, 10_000  # bias corrections near 1
+    rng = np.random.default_rng(ranks)
+    first = rng.standard_normal(64).astype(np.float32)
+    second = (rng.random(64).astype(np.float32) + 0.1) * first * first  # from 0.1 to 1.1 m^2
+    first[:8] = 0.0  # noise alone
+    grad = rng.standard_normal(64).astype(np.float32)
+    got, new_first, new_second = adam_direction(
+        ops, to(grad), to(first.copy()), to(second.copy()), betas, eps, step, ranks
+    )
+    m = (betas[0] * first + (1 - betas[0]) * grad).astype(np.float64)
+    v = (betas[1] * second + (1 - betas[1]) * grad * grad).astype(np.float64)
+    m_hat, v_hat = m / (1 - betas[0] ** step), v / (1 - betas[1] ** step)
+    averaged = v_hat / ranks + (1 - 1 / ranks) * np.minimum(m_hat * m_hat, v_hat)
+    want = m_hat / (np.sqrt(averaged) + eps)
+    np.testing.assert_allclose(back(got), want, rtol=1e-5)  # float32 against float64
+    np.testing.assert_allclose(back(new_first), m, rtol=1e-5)
+    np.testing.assert_allclose(back(new_second), v, rtol=1e-5)
+    adam = m_hat / (np.sqrt(v_hat) + eps)
+    signal = m_hat * m_hat >= v_hat
+    assert signal.any() and (~signal).any()
+    np.testing.assert_allclose(back(got)[signal], adam[signal], rtol=1e-5)
+    # A first moment far below the second's root (noise dominates): sqrt(P) times Adam's.
+    small, large = np.full(16, 1e-3, np.float32), np.ones(16, np.float32)
+    noisy = [
+        back(
+            adam_direction(ops, to(small), to(0 * small), to(large.copy()), (0, 0.999), 0, 1, n)[0]
+        )
+        for n in (1, ranks)  # fresh moments each time: torch updates them in place
+    ]
+    np.testing.assert_allclose(noisy[1] / noisy[0], np.sqrt(ranks), rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_indices_at_least_take_the_edges_infinities_and_nan(backend, dtype):
     ops, to, back = backend
