@@ -89,9 +89,10 @@ class SparseConfig:
             under SGD with momentum, or Adam/AdamW), ``True`` insists, ``False`` leaves
             the wrapped optimizer as it is.
         residual_lookahead: each rank's training forward and backward run at the
-            shared parameters moved by its own share of the update still pending in
-            its residual (``p = shared - lr * postscale * residual``), so its gradients
-            are taken where its own updates have led; ``step()`` puts the shared values
+            shared parameters moved by the update still pending in the ranks'
+            residuals, estimated from its own (``p = shared - lr * postscale * P *
+            residual``), so its gradients are taken where the pending updates would
+            have led; ``step()`` puts the shared values
             back (:mod:`horovod_sparse.torch.lookahead`). ``None`` turns it on where it
             applies (the PyTorch optimizer with error feedback, a sparse bucket, no
             ``overlap_allgather``, and plain SGD or momentum correction), ``True``

@@ -1,19 +1,21 @@
-"""Residual lookahead: each rank computes its gradients where its own update has taken it.
+"""Residual lookahead: each rank computes its gradients where the pending update has taken it.
 
 With error feedback, what a rank did not send waits in its residual; the shared
 parameters move by it only when it is sent, about 1/density steps later. A rank that
-computes its next gradients at the shared parameters therefore works with its own
-last ~1/density steps of update missing. At density 0.01 that staleness costs more
-than the other ranks' gradients bring: the char LM (AdamW, 500 steps, P = 2) ends worse
-than a single rank training alone (2.59 against 2.53 validation loss).
+computes its next gradients at the shared parameters therefore works with the last
+~1/density steps of update missing. At density 0.01 that staleness costs more than the
+other ranks' gradients bring: the char LM (AdamW, 500 steps, P = 2) ends worse than a
+single rank training alone (2.59 against 2.53 validation loss).
 
-With ``residual_lookahead=True`` a rank's training forward and backward run at the
-shared parameters moved by its own share of the update still pending in its residual::
+With ``residual_lookahead`` a rank's training forward and backward run at the shared
+parameters moved by the update pending in every rank's residual, estimated from its
+own (every rank's taken equal to it)::
 
-    p = shared - lr * postscale * residual
+    p = shared - lr * postscale * P * residual
 
-which is the part of the error-feedback "virtual iterate" (the parameters had every
-rank sent everything) that this rank knows. It needs a step that is linear in the
+the error-feedback "virtual iterate" (the parameters had every rank sent everything)
+as far as this rank can tell. Moving by its own share alone (``P`` left out) was worse
+on the char LM at P = 4 (docs/accuracy.md). It needs a step that is linear in the
 exchanged tensor, ``p -= lr * exchanged``: plain SGD, or momentum correction (SGD with
 momentum, Adam, AdamW).
 
@@ -76,13 +78,16 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class ResidualLookahead:
-    """Moves each parameter of the sparse buckets by its rank's pending update.
+    """Moves each parameter of the sparse buckets by the pending update, estimated from
+    this rank's residual.
 
     Args:
         optimizer: the sparse optimizer (its groups give each parameter's ``lr``).
         engine: whose sparse reducers hold the residuals and whose ``postscale`` turns
             a sum into the average.
         buckets, params: the engine's buckets and each bucket's parameters.
+        ranks: the ranks whose residuals are pending (the optimizer sets
+            :attr:`ranks` again when the world size changes).
     """
 
     def __init__(
@@ -91,8 +96,10 @@ class ResidualLookahead:
         engine: Engine,
         buckets: Sequence[Bucket],
         params: Sequence[Sequence[torch.Tensor]],
+        ranks: int,
     ) -> None:
         self.engine = engine
+        self.ranks = ranks
         # The group dicts themselves: a learning-rate scheduler changes their values.
         self._groups = {p: group for group in optimizer.param_groups for p in group["params"]}
         # (bucket index, parameter, offset into the bucket's residual), sparse buckets only.
@@ -142,10 +149,11 @@ class ResidualLookahead:
 
     @torch.no_grad()
     def apply(self) -> None:
-        """Move each parameter by its pending update; keep the shared values aside."""
+        """Move each parameter by the pending update; keep the shared values aside."""
         self.remove()
         self._due = False
-        postscale = self.engine.postscale
+        # Every rank's residual taken equal to this one's: P times this rank's share.
+        scale = self.engine.postscale * self.ranks
         for index, param, offset in self._members:
             reducer = self.engine.reducers[index]
             if not isinstance(reducer, BucketReducer) or reducer.residual_clear:
@@ -154,7 +162,7 @@ class ResidualLookahead:
             ahead = self._spare.get(param)
             if ahead is None or not _same_layout(ahead, param):  # or moved or cast since
                 ahead = torch.empty_like(param)
-            alpha = float(self._groups[param]["lr"]) * postscale
+            alpha = float(self._groups[param]["lr"]) * scale
             torch.sub(param.data, pending.to(param.dtype), alpha=alpha, out=ahead)
             self._spare[param] = param.data
             param.data = ahead

@@ -152,7 +152,9 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
         self._correction = attach_correction(self._correction, self.engine, self._buckets, params)
         self._routing.correction = self._correction
         if self._looks_ahead:
-            self._lookahead = ResidualLookahead(self, self.engine, self._buckets, params)
+            self._lookahead = ResidualLookahead(
+                self, self.engine, self._buckets, params, self.process_set.size()
+            )
         for _, p in named:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         if config.overlap_allgather:
@@ -212,6 +214,8 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
         )
         if self._correction is not None:
             self._correction.ranks = self.process_set.size()
+        if self._lookahead is not None:
+            self._lookahead.ranks = self.process_set.size()
 
     def _follow_world_size(self) -> None:
         """Rebuild the reducers when the process set changed size (elastic Horovod);

@@ -162,11 +162,12 @@ class OptimizerStep(_OptimizerBase):
     def shared_parameters(self) -> Iterator[None]:
         """The parameters as every rank holds them, inside the block.
 
-        With ``residual_lookahead=True`` each rank holds, from its training forward to
-        its ``step()``, the shared parameters moved by its own pending update. Inside
-        this block they are the shared ones (identical on every rank), as they are
-        anyway between a ``step()`` and the next training forward; the lookahead
-        returns after it. Without the option this does nothing.
+        With ``residual_lookahead`` (on by default where it applies) each rank holds,
+        from its training forward to its ``step()``, the shared parameters moved by the
+        pending update as its residual estimates it. Inside this block they are the
+        shared ones (identical on every rank), as they are anyway between a ``step()``
+        and the next training forward; the lookahead returns after it. Without the
+        lookahead this does nothing.
         """
         if self._lookahead is None:
             yield

@@ -46,8 +46,9 @@ def shared_weights_agree(model: torch.nn.Module, name: str) -> None:
 @pytest.mark.parametrize("lr_change", [False, True], ids=["constant_lr", "scheduled_lr"])
 def test_gradients_taken_at_the_lookahead_and_shared_parameters_follow_the_step(lr_change):
     """Against a reference built from the definition on a twin model: before each
-    forward, the twin's weight is moved by -lr/P times its optimizer's residual, and
-    put back before the step."""
+    forward, the twin's weight is moved by -lr times its optimizer's residual (this
+    rank's share, -lr/P times it, for each of the P ranks), and put back before the
+    step."""
     model, twin = linear(), linear()
     opt = make_adamw(model)  # the default: on, for AdamW's corrected step
     ref = make_adamw(twin, residual_lookahead=False)
@@ -57,7 +58,7 @@ def test_gradients_taken_at_the_lookahead_and_shared_parameters_follow_the_step(
         lr = ref.param_groups[0]["lr"]  # the lookahead's: the groups' at the forward
         shared = twin.weight.detach().clone()
         with torch.no_grad():
-            twin.weight.sub_(ref.residuals()[name].view_as(twin.weight), alpha=lr / hvd.size())
+            twin.weight.sub_(ref.residuals()[name].view_as(twin.weight), alpha=lr)
         assert torch.equal(model.weight, shared)  # between steps: the shared parameters
         with torch.no_grad():
             model(batch(step)[0])  # no lookahead for a forward without gradients
@@ -182,13 +183,14 @@ def test_plain_sgd_looks_ahead_by_the_pending_gradient():
     (name,) = opt.residuals()
     for step in range(4):
         shared = model.weight.detach().clone()
-        expected = shared - 0.1 / hvd.size() * opt.residuals()[name].view_as(shared)
+        # lr * postscale * P is 0.1 exactly here, so the same one subtraction.
+        expected = torch.sub(shared, opt.residuals()[name].view_as(shared), alpha=0.1)
         opt.zero_grad()
         loss_of(model, step).backward()
-        torch.testing.assert_close(model.weight.detach(), expected, rtol=0, atol=1e-7)
+        assert torch.equal(model.weight.detach(), expected)
         with opt.shared_parameters():
             assert torch.equal(model.weight, shared)
-        torch.testing.assert_close(model.weight.detach(), expected, rtol=0, atol=1e-7)
+        assert torch.equal(model.weight.detach(), expected)
         opt.step()
     assert not torch.equal(expected, shared)
 
