@@ -113,7 +113,8 @@ class TorchKernels(HorovodPrimitives):
         # torch.optim.Adam's own order of operations (its non-capturable path).
         first_hat, second_hat = first / first_scale, second / second_scale
         if ranks > 1:  # the average's second moment (common.correction.adam_direction)
-            signal = torch.minimum(first_hat * first_hat, second_hat)
+            signal = first_hat.square()
+            torch.minimum(signal, second_hat, out=signal)  # one temporary, not two
             second_hat = signal.mul_(1.0 - 1.0 / ranks).add_(second_hat, alpha=1.0 / ranks)
         return first_hat.div_(second_hat.sqrt_().add_(eps))
 
