@@ -15,7 +15,10 @@ a Gaussian mixture; batch 16, SGD with momentum 0.9 at 0.0025 scaled by P; 250 s
 With the sparse hook, SGD's momentum runs in the hook (momentum correction;
 ``--no-momentum-correction`` leaves it in the optimizer);
 ``--adam-correction`` runs the char LM's AdamW in the hook too (``SparseState(betas=...)``,
-with ``SGD(weight_decay=...)`` stepping by the exchanged direction). Rank 0 prints the
+with ``SGD(weight_decay=...)`` stepping by the exchanged direction). Where the optimizer
+is then plain SGD, each forward and backward runs at the parameters moved by the update
+pending in the residuals (``state.residual_lookahead(optimizer)``;
+``--no-residual-lookahead`` turns it off). Rank 0 prints the
 final metric and the bytes one rank sends and receives per step: measured by the sparse
 hook's ``stats()``; for allreduce and PowerSGD, those of the ring allreduces they issue
 (PowerSGD: P and Q of each matrix it compresses, at its rank, and the other tensors
@@ -158,6 +161,47 @@ def powersgd_bytes(model: torch.nn.Module, rank: int, size: int) -> int:
     return sum(allreduce_ring_bytes(floats, size, 4))
 
 
+def set_up_reduction(
+    args: argparse.Namespace, task: Any, model: DistributedDataParallel, size: int
+) -> tuple[Any, str, torch.optim.Optimizer]:
+    """Register the chosen hook on ``model``; its state, the mode's name and the optimizer."""
+    state: Any = None
+    momentum = task.momentum
+    if args.hook == "sparse":
+        # Momentum correction: SGD's momentum runs in the hook, the optimizer has none.
+        corrected = momentum if not args.no_momentum_correction else 0.0
+        adam = {"betas": task.betas} if args.adam_correction else {}
+        state = SparseState(
+            density=args.density, fp16_values=args.fp16_values, momentum=corrected, **adam
+        )
+        model.register_comm_hook(state, sparse_allreduce_hook)
+        momentum -= corrected
+        mode = f"sparse density {args.density}" + (" fp16" if args.fp16_values else "")
+        mode += " no MC" if args.no_momentum_correction and task.momentum else ""
+        mode += " Adam in hook" if adam else ""
+    elif args.hook == "powersgd":
+        state = powersgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=args.rank,
+            start_powerSGD_iter=args.warmup,
+        )
+        model.register_comm_hook(state, powersgd.powerSGD_hook)
+        mode = f"PowerSGD rank {args.rank}"
+    else:
+        mode = "DDP allreduce"
+    if args.hook == "sparse" and args.adam_correction:
+        optimizer = task.corrected_optimizer(model.parameters())
+    else:
+        optimizer = task.optimizer(model.parameters(), size, momentum)
+    if args.hook == "sparse" and args.residual_lookahead and momentum == 0.0:
+        # Forward and backward where the pending residual takes the parameters; it needs
+        # the optimizer's plain SGD step (the momentum or AdamW runs in the hook).
+        state.residual_lookahead(optimizer)
+    elif args.hook == "sparse":
+        mode += " no lookahead"
+    return state, mode, optimizer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="digits")
@@ -173,6 +217,12 @@ def main() -> None:
         "--adam-correction",
         action="store_true",
         help="--hook sparse, --task char_lm: AdamW runs in the hook (SparseState(betas=...))",
+    )
+    parser.add_argument(
+        "--no-residual-lookahead",
+        dest="residual_lookahead",
+        action="store_false",
+        help="--hook sparse: gradients at the shared parameters (ablation)",
     )
     parser.add_argument("--rank", type=int, default=2, help="--hook powersgd: matrix rank")
     parser.add_argument("--warmup", type=int, default=10, help="PowerSGD's dense iterations")
@@ -197,36 +247,9 @@ def main() -> None:
     model = DistributedDataParallel(task.model(), bucket_cap_mb=args.bucket_cap_mb)
     numel = sum(p.numel() for p in model.parameters())
     dense_bytes = sum(allreduce_ring_bytes(numel, size, 4))
-    state: Any = None
-    momentum = task.momentum
-    if args.hook == "sparse":
-        # Momentum correction: SGD's momentum runs in the hook, the optimizer has none.
-        corrected = momentum if not args.no_momentum_correction else 0.0
-        adam = {"betas": task.betas} if args.adam_correction else {}
-        if adam and not isinstance(task, CharLM):
-            parser.error("--adam-correction needs --task char_lm (AdamW)")
-        state = SparseState(
-            density=args.density, fp16_values=args.fp16_values, momentum=corrected, **adam
-        )
-        model.register_comm_hook(state, sparse_allreduce_hook)
-        momentum -= corrected
-        mode = f"sparse density {args.density}" + (" fp16" if args.fp16_values else "")
-        mode += " no MC" if args.no_momentum_correction and task.momentum else ""
-        mode += " Adam in hook" if adam else ""
-    elif args.hook == "powersgd":
-        state = powersgd.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=args.rank,
-            start_powerSGD_iter=args.warmup,
-        )
-        model.register_comm_hook(state, powersgd.powerSGD_hook)
-        mode = f"PowerSGD rank {args.rank}"
-    else:
-        mode = "DDP allreduce"
-    if args.hook == "sparse" and args.adam_correction:
-        optimizer = task.corrected_optimizer(model.parameters())
-    else:
-        optimizer = task.optimizer(model.parameters(), size, momentum)
+    if args.hook == "sparse" and args.adam_correction and not isinstance(task, CharLM):
+        parser.error("--adam-correction needs --task char_lm (AdamW)")
+    state, mode, optimizer = set_up_reduction(args, task, model, size)
 
     curve_key = task.metric.removeprefix("final_")  # as char_lm.py and digits_cnn.py name it
     moved = []

@@ -49,6 +49,7 @@ from horovod_sparse.common.stats import StepStats, dense_allreduce_stats
 from horovod_sparse.torch.ddp_correction import WHOLE, HookCorrection
 from horovod_sparse.torch.ddp_flight import BucketFuture, InFlight, Pending
 from horovod_sparse.torch.ddp_layout import BucketLayout
+from horovod_sparse.torch.ddp_lookahead import HookLookahead
 from horovod_sparse.torch.ddp_saving import StateSaving
 from horovod_sparse.torch.ddp_scaling import LossScaling
 from horovod_sparse.torch.ddp_small import SmallParameters
@@ -191,6 +192,16 @@ class SparseState(StateSaving):
             engine.prescale, engine.postscale = optimizer_scales("average", size, 1.0)
             self.reducers[index] = reducer
         return engine
+
+    def postscale(self, index: int) -> float:
+        """The factor that turns DDP bucket ``index``'s sum into the average."""
+        return self._engines[index].postscale
+
+    def residual_lookahead(self, optimizer: torch.optim.Optimizer) -> HookLookahead:
+        """Run each training forward and backward where the update pending in this
+        rank's residuals takes the parameters, around ``optimizer``'s steps (an ``SGD``
+        without momentum: ``ddp_lookahead``). Returns it (``detach()`` ends it)."""
+        return HookLookahead(self, optimizer)
 
     def stats(self) -> StepStats:
         """The last iteration's figures, summed over buckets (dense ones included);

@@ -57,6 +57,10 @@ class BucketLayout:
                 self.pieces.append((offset, p.numel()))
         return [self._positions[id(p)] for p in parameters]
 
+    def position_of(self, param: torch.Tensor) -> int | None:
+        """``param``'s position in this instance, or None if it has not handed it over."""
+        return self._positions.get(id(param))
+
     def whole_over_rebuilt(self, index: int, positions: list[int]) -> bool:
         """Whether bucket ``index`` holds every parameter while the layout has other
         buckets (DDP hands the whole bucket again before using its rebuilt ones)."""

@@ -35,7 +35,7 @@ step. Sends nothing.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,7 +45,7 @@ from horovod_sparse.common.buckets import Bucket
 from horovod_sparse.common.engine import Engine
 from horovod_sparse.common.pipeline import BucketReducer
 
-__all__ = ["ResidualLookahead", "lookahead_supported"]
+__all__ = ["Lookahead", "ResidualLookahead", "lookahead_supported"]
 
 
 def lookahead_supported(optimizer: torch.optim.Optimizer, corrected: bool) -> str | None:
@@ -77,38 +77,20 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
-class ResidualLookahead:
-    """Moves each parameter of the sparse buckets by the pending update, estimated from
-    this rank's residual.
+class Lookahead:
+    """Swaps each parameter between the shared values and the values moved by its
+    pending update; a subclass says where the pending update is (:meth:`_pending`).
 
     Args:
-        optimizer: the sparse optimizer (its groups give each parameter's ``lr``).
-        engine: whose sparse reducers hold the residuals and whose ``postscale`` turns
-            a sum into the average.
-        buckets, params: the engine's buckets and each bucket's parameters.
-        ranks: the ranks whose residuals are pending (the optimizer sets
-            :attr:`ranks` again when the world size changes).
+        optimizer: the optimizer that steps the parameters (its groups give each
+            parameter's ``lr``).
+        params: the parameters that may move; the lookahead is taken at the first
+            training forward of a module holding one of them.
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        engine: Engine,
-        buckets: Sequence[Bucket],
-        params: Sequence[Sequence[torch.Tensor]],
-        ranks: int,
-    ) -> None:
-        self.engine = engine
-        self.ranks = ranks
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
         # The group dicts themselves: a learning-rate scheduler changes their values.
         self._groups = {p: group for group in optimizer.param_groups for p in group["params"]}
-        # (bucket index, parameter, offset into the bucket's residual), sparse buckets only.
-        self._members: list[tuple[int, torch.Tensor, int]] = [
-            (index, param, entry.offset)
-            for index, bucket in enumerate(buckets)
-            if bucket.kind == "sparse"
-            for param, entry in zip(params[index], bucket.entries)
-        ]
         # Per parameter, the one of its two buffers it does not hold now: while the
         # lookahead is applied, the exact shared values; otherwise the buffer the next
         # lookahead is written into. Swapping ``param.data`` between the two costs no
@@ -119,7 +101,7 @@ class ResidualLookahead:
         self._moved: dict[torch.Tensor, tuple[int, int]] = {}
         self._due = False  # a lookahead is taken at the next training forward
         owner = weakref.ref(self)
-        mine = {id(param) for _, param, _ in self._members}
+        mine = {id(param) for param in params}
 
         def before_forward(module: torch.nn.Module, args: Any) -> None:
             if torch.compiler.is_compiling():
@@ -130,13 +112,19 @@ class ResidualLookahead:
             if lookahead is None or not lookahead._due or not module.training:
                 return
             # The outermost module called that holds one of these parameters: this
-            # optimizer's model (or a compiled wrapper of it), before its graph runs.
+            # optimizer's model (or a compiled or DDP wrapper of it), before it runs.
             if torch.is_grad_enabled() and any(id(p) in mine for p in module.parameters()):
                 lookahead.apply()
 
         # Global: the optimizer does not know the model. Removed with this object.
         handle = torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
         weakref.finalize(self, handle.remove)
+
+    def _pending(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
+        """Per parameter with a pending update: the parameter, its pending residual (a
+        view shaped like it) and the factor that turns that residual into the pending
+        update over ``lr``."""
+        raise NotImplementedError
 
     @property
     def applied(self) -> bool:
@@ -152,13 +140,7 @@ class ResidualLookahead:
         """Move each parameter by the pending update; keep the shared values aside."""
         self.remove()
         self._due = False
-        # Every rank's residual taken equal to this one's: P times this rank's share.
-        scale = self.engine.postscale * self.ranks
-        for index, param, offset in self._members:
-            reducer = self.engine.reducers[index]
-            if not isinstance(reducer, BucketReducer) or reducer.residual_clear:
-                continue  # nothing pending (no sparse step yet)
-            pending = reducer.residual[offset : offset + param.numel()].view_as(param)
+        for param, pending, scale in self._pending():
             ahead = self._spare.get(param)
             if ahead is None or not _same_layout(ahead, param):  # or moved or cast since
                 ahead = torch.empty_like(param)
@@ -201,3 +183,45 @@ class ResidualLookahead:
                 if _unchanged(param, state):  # not written inside the block
                     self._swap(param)
                     self._moved[param] = (param.data_ptr(), param._version)
+
+
+class ResidualLookahead(Lookahead):
+    """The sparse optimizer's: moves each parameter of its sparse buckets by the pending
+    update, estimated from this rank's residual.
+
+    Args:
+        optimizer: the sparse optimizer.
+        engine: whose sparse reducers hold the residuals and whose ``postscale`` turns
+            a sum into the average.
+        buckets, params: the engine's buckets and each bucket's parameters.
+        ranks: the ranks whose residuals are pending (the optimizer sets
+            :attr:`ranks` again when the world size changes).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        engine: Engine,
+        buckets: Sequence[Bucket],
+        params: Sequence[Sequence[torch.Tensor]],
+        ranks: int,
+    ) -> None:
+        self.engine = engine
+        self.ranks = ranks
+        # (bucket index, parameter, offset into the bucket's residual), sparse buckets only.
+        self._members: list[tuple[int, torch.Tensor, int]] = [
+            (index, param, entry.offset)
+            for index, bucket in enumerate(buckets)
+            if bucket.kind == "sparse"
+            for param, entry in zip(params[index], bucket.entries)
+        ]
+        super().__init__(optimizer, (param for _, param, _ in self._members))
+
+    def _pending(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
+        # Every rank's residual taken equal to this one's: P times this rank's share.
+        scale = self.engine.postscale * self.ranks
+        for index, param, offset in self._members:
+            reducer = self.engine.reducers[index]
+            if not isinstance(reducer, BucketReducer) or reducer.residual_clear:
+                continue  # nothing pending (no sparse step yet)
+            yield param, reducer.residual[offset : offset + param.numel()].view_as(param), scale
