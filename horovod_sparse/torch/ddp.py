@@ -148,6 +148,7 @@ class SparseState(StateSaving):
         self._whole_residual: torch.Tensor | None = None
         # Who saved a checkpoint of this state: the residual policy (docs/design.md §6).
         self._owner_token = uuid.uuid4().hex
+        self._lookahead: HookLookahead | None = None  # residual_lookahead(); not pickled
 
     @property
     def max_in_flight(self) -> int:
@@ -200,8 +201,12 @@ class SparseState(StateSaving):
     def residual_lookahead(self, optimizer: torch.optim.Optimizer) -> HookLookahead:
         """Run each training forward and backward where the update pending in this
         rank's residuals takes the parameters, around ``optimizer``'s steps (an ``SGD``
-        without momentum: ``ddp_lookahead``). Returns it (``detach()`` ends it)."""
-        return HookLookahead(self, optimizer)
+        without momentum: ``ddp_lookahead``). Returns it (``detach()`` ends it); a
+        later call replaces it (a new optimizer)."""
+        if self._lookahead is not None:
+            self._lookahead.detach()
+        self._lookahead = HookLookahead(self, optimizer)
+        return self._lookahead
 
     def stats(self) -> StepStats:
         """The last iteration's figures, summed over buckets (dense ones included);

@@ -58,6 +58,7 @@ class HookLookahead(Lookahead):
         self.state = state
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         super().__init__(optimizer, self._params)
+        self.take_at_next_forward()  # made between steps: the next forward takes one
         self._hooks = [
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),

@@ -29,7 +29,9 @@ class Recorded:
     def __init__(self) -> None:
         self.buckets: dict[int, list[torch.Tensor]] = {}
 
-    def hook(self, state: SparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def hook(
+        self, state: SparseState, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
         self.buckets[bucket.index()] = list(bucket.parameters())
         return sparse_allreduce_hook(state, bucket)
 
@@ -182,6 +184,20 @@ def test_shared_parameters_and_detach():
     for row in gather(flat(model)):
         assert torch.equal(torch.from_numpy(row), flat(model))
     assert not torch.equal(after, flat(model))
+
+
+def test_a_second_call_replaces_the_first():
+    state = SparseState(density=0.05, momentum=0.9)
+    model, optimizer, recorded = small_run(state)
+    for step in range(3):
+        step_once(model, optimizer, step)
+    state.residual_lookahead(optimizer)  # the first one detached: one move, not two
+    expected = expected_lookahead(state, recorded, LR)
+    shared = {p: p.detach().clone() for p in model.parameters()}
+    model(batch(3)[0])
+    for p in model.parameters():
+        assert torch.equal(p.detach(), expected.get(p, shared[p]))
+    assert any(not torch.equal(expected[p], shared[p]) for p in expected)
 
 
 @pytest.mark.parametrize(
