@@ -5,7 +5,7 @@ Every mode of a task trains the same model on the same data order with the same
 hyperparameters and seeds: dense Horovod (``hvd.DistributedOptimizer``), the sparse
 Horovod optimizer with its defaults and without ``residual_lookahead``, DDP's own
 allreduce, the sparse DDP hook (with the task's optimizer run in the hook: SGD momentum
-for digits, AdamW for the char LM), and
+for digits, AdamW for the char LM; and its residual lookahead), and
 PowerSGD rank 1 and 4 under DDP (Keras digits: dense and sparse only). Each run
 records its validation metric every ``--eval-every`` steps against the seconds spent
 training so far (evaluation left out). Per seed, the target is dense's
