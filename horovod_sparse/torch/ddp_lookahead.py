@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from horovod_sparse.torch.lookahead import Lookahead
+from horovod_sparse.torch.lookahead import Lookahead, plain_sgd
 
 if TYPE_CHECKING:
     from horovod_sparse.torch.ddp import SparseState
@@ -43,9 +43,7 @@ class HookLookahead(Lookahead):
     """
 
     def __init__(self, state: "SparseState", optimizer: torch.optim.Optimizer) -> None:
-        if not isinstance(optimizer, torch.optim.SGD) or any(
-            group.get("momentum", 0.0) != 0.0 for group in optimizer.param_groups
-        ):
+        if not plain_sgd(optimizer):
             raise ValueError(
                 "the hook's residual lookahead needs torch.optim.SGD without momentum, "
                 "whose step is p -= lr * (averaged gradient): run SGD's momentum or "

@@ -45,7 +45,14 @@ from horovod_sparse.common.buckets import Bucket
 from horovod_sparse.common.engine import Engine
 from horovod_sparse.common.pipeline import BucketReducer
 
-__all__ = ["Lookahead", "ResidualLookahead", "lookahead_supported"]
+__all__ = ["Lookahead", "ResidualLookahead", "lookahead_supported", "plain_sgd"]
+
+
+def plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` steps ``p -= lr * (gradient + decay)``: SGD without momentum."""
+    return isinstance(optimizer, torch.optim.SGD) and all(
+        group.get("momentum", 0.0) == 0.0 for group in optimizer.param_groups
+    )
 
 
 def lookahead_supported(optimizer: torch.optim.Optimizer, corrected: bool) -> str | None:
@@ -54,11 +61,7 @@ def lookahead_supported(optimizer: torch.optim.Optimizer, corrected: bool) -> st
     The lookahead moves a parameter by ``lr`` times its pending exchanged tensor, which
     is where the step would take it only when the step is ``p -= lr * exchanged``.
     """
-    if corrected:
-        return None
-    if isinstance(optimizer, torch.optim.SGD) and all(
-        group.get("momentum", 0.0) == 0.0 for group in optimizer.param_groups
-    ):
+    if corrected or plain_sgd(optimizer):
         return None
     return (
         "residual_lookahead=True needs a step that is linear in the averaged gradient: "
