@@ -76,8 +76,9 @@ TASKS = {
     ),
 }
 
-# The char LM and digits CNN flag for the defaults before residual lookahead.
-BEFORE_LOOKAHEAD = ("--no-residual-lookahead",)
+# The char LM and digits CNN flags for the defaults before residual lookahead (which
+# came before the final flush of the residuals).
+BEFORE_LOOKAHEAD = ("--no-residual-lookahead", "--no-flush")
 
 # mode name -> extra command-line arguments
 MODES = {
@@ -133,6 +134,8 @@ MODES = {
     "0.01-per-tensor": ["--density", "0.01", "--fusion-threshold-bytes", "1024", *BEFORE_LOOKAHEAD],
     # The defaults before residual lookahead: gradients at the shared parameters.
     "0.01-no-lookahead": ["--density", "0.01", *BEFORE_LOOKAHEAD],
+    # The defaults before the final flush: the model ends without the residuals' mass.
+    "0.01-no-flush": ["--density", "0.01", "--no-flush"],
 }
 
 

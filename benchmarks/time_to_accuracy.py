@@ -78,8 +78,14 @@ def modes(task: str, example: str, hook_options: tuple[str, ...]) -> tuple[Mode,
     return (
         Mode(DENSE, horovod, ("--density", "1.0"), "horovod"),
         Mode("sparse (defaults)", horovod, (), "horovod"),
-        # The defaults before residual lookahead: gradients at the shared parameters.
-        Mode("sparse (no lookahead)", horovod, ("--no-residual-lookahead",), "horovod"),
+        # The defaults before residual lookahead: gradients at the shared parameters, and
+        # the residuals left unflushed at the end.
+        Mode(
+            "sparse (no lookahead)",
+            horovod,
+            ("--no-residual-lookahead", "--no-flush"),
+            "horovod",
+        ),
         # DDP's own dense allreduce: the DDP rows' baseline without Horovod's runtime.
         Mode("DDP allreduce", ddp, (*common, "--hook", "allreduce"), "torch"),
         Mode("DDP sparse hook", ddp, (*common, "--hook", "sparse", *hook_options), "torch"),

@@ -133,6 +133,9 @@ def main() -> None:
     parser.add_argument(
         "--no-residual-lookahead", dest="residual_lookahead", action="store_const", const=False
     )  # gradients at the shared parameters (ablation); the default is the optimizer's
+    parser.add_argument(
+        "--no-flush", dest="flush", action="store_false", help="ablation: keep the residuals"
+    )  # by default the last step applies every rank's pending update (flush_residuals)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--json", default=None, help="write the curves here (rank 0)")
@@ -196,6 +199,10 @@ def main() -> None:
             moved.append(stats.bytes_sent + stats.bytes_received)
             refreshed.append(stats.global_refreshes > 0)
             kept.append(stats.selected - (numel - sparse_numel))
+            if step == args.steps - 1 and args.flush:
+                # The model this run keeps holds every rank's pending update too.
+                flushed = optimizer.flush_residuals()
+                moved[-1] += sum(allreduce_ring_bytes(flushed, hvd.size(), 4))
         if step % args.eval_every == 0 or step == args.steps - 1:
             paused = time.perf_counter()
             train_loss = hvd.allreduce(loss.detach(), name="train_loss").item()

@@ -163,9 +163,11 @@ def powersgd_bytes(model: torch.nn.Module, rank: int, size: int) -> int:
 
 def set_up_reduction(
     args: argparse.Namespace, task: Any, model: DistributedDataParallel, size: int
-) -> tuple[Any, str, torch.optim.Optimizer]:
-    """Register the chosen hook on ``model``; its state, the mode's name and the optimizer."""
+) -> tuple[Any, str, torch.optim.Optimizer, Any]:
+    """Register the chosen hook on ``model``; its state, the mode's name, the optimizer
+    and the sparse hook's residual lookahead (or None)."""
     state: Any = None
+    lookahead: Any = None
     momentum = task.momentum
     if args.hook == "sparse":
         # Momentum correction: SGD's momentum runs in the hook, the optimizer has none.
@@ -196,10 +198,10 @@ def set_up_reduction(
     if args.hook == "sparse" and args.residual_lookahead and momentum == 0.0:
         # Forward and backward where the pending residual takes the parameters; it needs
         # the optimizer's plain SGD step (the momentum or AdamW runs in the hook).
-        state.residual_lookahead(optimizer)
+        lookahead = state.residual_lookahead(optimizer)
     elif args.hook == "sparse":
         mode += " no lookahead"
-    return state, mode, optimizer
+    return state, mode, optimizer, lookahead
 
 
 def main() -> None:
@@ -223,6 +225,13 @@ def main() -> None:
         dest="residual_lookahead",
         action="store_false",
         help="--hook sparse: gradients at the shared parameters (ablation)",
+    )
+    parser.add_argument(
+        "--no-flush",
+        dest="flush",
+        action="store_false",
+        help="--hook sparse: keep the residuals at the end (ablation; flushed by default "
+        "where the lookahead runs)",
     )
     parser.add_argument("--rank", type=int, default=2, help="--hook powersgd: matrix rank")
     parser.add_argument("--warmup", type=int, default=10, help="PowerSGD's dense iterations")
@@ -249,7 +258,7 @@ def main() -> None:
     dense_bytes = sum(allreduce_ring_bytes(numel, size, 4))
     if args.hook == "sparse" and args.adam_correction and not isinstance(task, CharLM):
         parser.error("--adam-correction needs --task char_lm (AdamW)")
-    state, mode, optimizer = set_up_reduction(args, task, model, size)
+    state, mode, optimizer, lookahead = set_up_reduction(args, task, model, size)
 
     curve_key = task.metric.removeprefix("final_")  # as char_lm.py and digits_cnn.py name it
     moved = []
@@ -273,6 +282,9 @@ def main() -> None:
             metric = task.evaluate(model.module)
             curve.append({"step": step, "seconds": paused - began - evaluating, curve_key: metric})
             evaluating += time.perf_counter() - paused
+    if lookahead is not None and args.flush:
+        # The model this run keeps holds every rank's pending update too.
+        moved[-1] += sum(allreduce_ring_bytes(lookahead.flush_residuals(), size, 4))
     seconds = time.perf_counter() - began - evaluating
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     parts = [torch.empty_like(flat) for _ in range(size)]

@@ -127,6 +127,9 @@ def parse(
     parser.add_argument(
         "--no-residual-lookahead", dest="residual_lookahead", action="store_const", const=False
     )  # gradients at the shared parameters (ablation); the default is the optimizer's
+    parser.add_argument(
+        "--no-flush", dest="flush", action="store_false", help="ablation: keep the residuals"
+    )  # by default the last step applies every rank's pending update (flush_residuals)
     parser.set_defaults(**defaults)
     return parser.parse_args(argv)
 
@@ -198,9 +201,13 @@ def train(
             if args.density >= 1.0
             else optimizer.stats().bytes_sent + optimizer.stats().bytes_received
         )
+        last = step == args.steps - 1
+        if last and args.flush and args.density < 1.0:
+            # The model this run keeps holds every rank's pending update too.
+            flushed = optimizer.flush_residuals()
+            moved[-1] += sum(allreduce_ring_bytes(flushed, hvd.size(), 4))
         if writer is not None:
             write_stats(writer, step, optimizer, moved[-1], dense_bytes, loss.item())
-        last = step == args.steps - 1
         if step % args.eval_every == 0 or last:
             paused = time.perf_counter()
             train_loss = hvd.allreduce(loss.detach(), name="train_loss").item()

@@ -109,6 +109,11 @@ class SparseBucket:
         self._residual = value
         self.residual_clear = False
 
+    def clear_residual(self) -> None:
+        """Zero the residual: its mass reached the parameters some other way (a flush)."""
+        self.residual = self.ops.zero_(self.residual)
+        self.residual_clear = True
+
     def hand_in(self, residual: Tensor, velocity: Tensor | None) -> None:
         """Take the residual and velocity an adapter keeps between steps (TensorFlow
         reads them from its variables at every step: a traced step cannot hold tensors

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from horovod_sparse.torch.flush import Owed, flush_owed
 from horovod_sparse.torch.lookahead import Lookahead, plain_sgd
 
 if TYPE_CHECKING:
@@ -82,23 +83,45 @@ class HookLookahead(Lookahead):
         return self.removed()
 
     def _pending(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
+        ranks = dist.get_world_size(self.state.process_group)
+        for owed in self._owed():
+            if not owed.clear:  # else nothing pending yet
+                # Every rank's residual taken equal to this one's: P times this rank's share.
+                yield owed.param, owed.residual, owed.share * ranks
+
+    def _owed(self) -> Iterator[Owed]:
+        """Each parameter's part of its DDP bucket's residual, in bucket order."""
         state, layout = self.state, self.state.layout
-        ranks = dist.get_world_size(state.process_group)
         by_position: dict[int, torch.Tensor] = {}
         for param in self._params:
             position = layout.position_of(param)
             if position is not None:
                 by_position[position] = param
-        for index, reducer in state.reducers.items():
+        for index, reducer in sorted(state.reducers.items()):
             positions = layout.buckets.get(index)
-            if reducer.residual_clear or positions is None:
-                continue  # nothing pending yet
-            # Every rank's residual taken equal to this one's: P times this rank's share.
-            scale = state.postscale(index) * ranks
+            if positions is None:
+                continue
             offset = 0
             for position in positions:
                 numel = layout.pieces[position][1]
                 param = by_position.get(position)
                 if param is not None:
-                    yield param, reducer.residual[offset : offset + numel].view_as(param), scale
+                    view = reducer.residual[offset : offset + numel].view_as(param)
+                    share = state.postscale(index)
+                    yield Owed(param, view, share, reducer, reducer.residual_clear)
                 offset += numel
+
+    def flush_residuals(self) -> int:
+        """Apply every rank's pending update to the parameters and clear the hook's
+        residuals, with one dense allreduce over the hook's process group
+        (:mod:`horovod_sparse.torch.flush`). Call it on every rank where training ends,
+        before the model is evaluated or saved for keeps, with no backward pass waiting
+        for its step. Returns the number of values summed."""
+        self.remove()  # the flush moves the shared parameters
+        group = self.state.process_group
+
+        def sum_over_ranks(flat: torch.Tensor, name: str) -> torch.Tensor:
+            dist.all_reduce(flat, group=group)
+            return flat
+
+        return flush_owed(self._owed(), lambda p: float(self._groups[p]["lr"]), sum_over_ranks)

@@ -43,7 +43,7 @@ import torch
 
 from horovod_sparse.common.buckets import Bucket
 from horovod_sparse.common.engine import Engine
-from horovod_sparse.common.pipeline import BucketReducer
+from horovod_sparse.torch.flush import engine_owed
 
 __all__ = ["Lookahead", "ResidualLookahead", "lookahead_supported", "plain_sgd"]
 
@@ -55,8 +55,11 @@ def plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
-def lookahead_supported(optimizer: torch.optim.Optimizer, corrected: bool) -> str | None:
-    """Why ``residual_lookahead`` cannot apply to ``optimizer``, or None if it can.
+def lookahead_supported(
+    optimizer: torch.optim.Optimizer, corrected: bool, what: str = "residual_lookahead=True"
+) -> str | None:
+    """Why ``residual_lookahead`` (or ``what``, another use of the pending update) cannot
+    apply to ``optimizer``, or None if it can.
 
     The lookahead moves a parameter by ``lr`` times its pending exchanged tensor, which
     is where the step would take it only when the step is ``p -= lr * exchanged``.
@@ -64,7 +67,7 @@ def lookahead_supported(optimizer: torch.optim.Optimizer, corrected: bool) -> st
     if corrected or plain_sgd(optimizer):
         return None
     return (
-        "residual_lookahead=True needs a step that is linear in the averaged gradient: "
+        f"{what} needs a step that is linear in the averaged gradient: "
         "torch.optim.SGD without momentum, or momentum correction (SGD with momentum, "
         f"Adam, AdamW); got {type(optimizer).__name__} without momentum correction"
     )
@@ -211,20 +214,17 @@ class ResidualLookahead(Lookahead):
     ) -> None:
         self.engine = engine
         self.ranks = ranks
-        # (bucket index, parameter, offset into the bucket's residual), sparse buckets only.
-        self._members: list[tuple[int, torch.Tensor, int]] = [
-            (index, param, entry.offset)
+        self._buckets, self._params = buckets, params
+        mine = [
+            p
             for index, bucket in enumerate(buckets)
             if bucket.kind == "sparse"
-            for param, entry in zip(params[index], bucket.entries)
+            for p in params[index]
         ]
-        super().__init__(optimizer, (param for _, param, _ in self._members))
+        super().__init__(optimizer, mine)
 
     def _pending(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
-        # Every rank's residual taken equal to this one's: P times this rank's share.
-        scale = self.engine.postscale * self.ranks
-        for index, param, offset in self._members:
-            reducer = self.engine.reducers[index]
-            if not isinstance(reducer, BucketReducer) or reducer.residual_clear:
-                continue  # nothing pending (no sparse step yet)
-            yield param, reducer.residual[offset : offset + param.numel()].view_as(param), scale
+        for owed in engine_owed(self.engine, self._buckets, self._params):
+            if not owed.clear:  # else nothing pending (no sparse step yet)
+                # Every rank's residual taken equal to this one's: P times this rank's share.
+                yield owed.param, owed.residual, owed.share * self.ranks

@@ -131,6 +131,7 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
             self.backward_passes_per_step = int(backward_passes_per_step)
             self.engine = Engine(BACKEND, [], [])
             self._buckets: list[Bucket] = []
+            self._bucket_params: list[list[torch.Tensor]] = []
             return
         config, named = self._validated(named_parameters, options, model)
         self.sparse_config = config
@@ -139,6 +140,7 @@ class SparseOptimizerMixin(OptimizerStep, OptimizerCheckpoint, OptimizerReports)
         self.engine, self._buckets, params = build_engine(
             named, config, groups, num_groups, process_set, compression
         )
+        self._bucket_params = params
         self._set_scales()
         self._routing = GradientRouting(
             self.engine,

@@ -18,8 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from horovod_sparse.common.buckets import Bucket
+from horovod_sparse.common.config import SparseConfig
 from horovod_sparse.common.engine import Engine
 from horovod_sparse.torch.collectives import called_by_horovod_state_broadcast
+from horovod_sparse.torch.flush import engine_owed, flush_owed
+from horovod_sparse.torch.lookahead import lookahead_supported
 
 if TYPE_CHECKING:
     from horovod_sparse.torch.gradients import GradientRouting
@@ -48,6 +52,10 @@ class OptimizerStep(_OptimizerBase):
     _correction: Correction | None
     _deferred: DeferredUpdates | None
     _lookahead: ResidualLookahead | None
+    _buckets: list[Bucket]
+    _bucket_params: list[list[torch.Tensor]]
+    sparse_config: SparseConfig
+    process_set: Any
 
     if TYPE_CHECKING:  # the optimizer's own, which the step needs
 
@@ -107,6 +115,43 @@ class OptimizerStep(_OptimizerBase):
         """
         if self._deferred is not None:
             self._deferred.apply_all()
+
+    def flush_residuals(self) -> int:
+        """Apply every rank's pending update to the parameters and clear the residuals.
+
+        With error feedback the parameters lack what the ranks have not sent yet (about
+        the last 1/density steps of update). This sums the residuals with one dense
+        allreduce and moves each parameter by the update they stand for
+        (:mod:`horovod_sparse.torch.flush`). Call it on every rank where training ends,
+        before the model is evaluated or saved for keeps; training may go on after it.
+        Returns the number of values summed (0 without error feedback: nothing waits).
+
+        Raises:
+            ValueError: on every rank, before any collective, where the step is not
+                linear in the exchanged tensor (Adam or SGD with momentum without
+                momentum correction): the residual's update is then unknown.
+            RuntimeError: between a backward pass and its ``step()``.
+        """
+        if not self._member or not self.sparse_config.error_feedback:
+            return 0
+        problem = lookahead_supported(self, self._correction is not None, "flush_residuals()")
+        if problem is not None:
+            raise ValueError(problem)
+        if self.engine.busy:
+            raise RuntimeError(
+                "flush_residuals() was called between a backward pass and its step()"
+            )
+        self.flush()  # overlap_allgather's waiting updates belong to the shared parameters
+        if self._lookahead is not None:
+            self._lookahead.remove()  # the flush moves the shared parameters
+        lr = {p: group["lr"] for group in self.param_groups for p in group["params"]}
+
+        def sum_over_ranks(flat: torch.Tensor, name: str) -> torch.Tensor:
+            ops = self.engine.ops
+            return ops.wait(ops.allreduce_sum_async(flat, name, self.process_set))
+
+        owed = engine_owed(self.engine, self._buckets, self._bucket_params)
+        return flush_owed(owed, lambda p: float(lr[p]), sum_over_ranks)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

@@ -220,3 +220,59 @@ def test_no_residual_no_lookahead():
     model = DistributedDataParallel(SmallNet())
     with pytest.raises(ValueError, match="error_feedback=True"):
         state.residual_lookahead(torch.optim.SGD(model.parameters(), lr=LR))
+
+
+def test_flush_residuals_lands_where_dense_sgd_does():
+    """Exact's gradients do not depend on the weight: after the flush, plain SGD's
+    weight is the dense reference p0 - lr * sum over steps of the ranks' mean gradient;
+    before it, the residuals still held part of that."""
+    numel, steps = 20_000, 6
+    state = SparseState(density=0.02)
+    model = DistributedDataParallel(Exact(numel))
+    model.register_comm_hook(state, sparse_allreduce_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    lookahead = state.residual_lookahead(optimizer)
+
+    def grad(step: int, rank: int) -> torch.Tensor:
+        return torch.randn(numel, generator=torch.Generator().manual_seed(10 * step + rank))
+
+    for step in range(steps):
+        optimizer.zero_grad()
+        model(grad(step, RANK)).backward()
+        optimizer.step()
+    dense = torch.zeros(numel, dtype=torch.float64)
+    for step in range(steps):
+        dense -= LR * sum(grad(step, r).double() for r in range(SIZE)) / SIZE
+    weight = model.module.weight
+    assert (weight.detach().double() - dense).abs().max() > 1e-3  # owed before the flush
+    assert lookahead.flush_residuals() == numel
+    torch.testing.assert_close(weight.detach().double(), dense, rtol=0, atol=1e-6)
+    assert not state.reducers[0].residual.any()
+    for row in gather(weight.detach()):
+        assert torch.equal(torch.from_numpy(row), weight.detach())
+
+
+def test_flush_residuals_moves_by_every_ranks_residual_with_adam_in_the_hook():
+    state = SparseState(density=0.05, betas=BETAS)
+    model, optimizer, recorded = small_run(state, lookahead=False)
+    lookahead = state.residual_lookahead(optimizer)
+    for step in range(4):
+        step_once(model, optimizer, step)
+    gathered = {i: gather(r.residual) for i, r in state.reducers.items()}
+    assert any(row.any() for rows in gathered.values() for row in rows)
+    before = {p: p.detach().double().clone() for p in model.parameters()}
+    lookahead.flush_residuals()
+    for index, params in recorded.buckets.items():
+        offset = 0
+        summed = torch.from_numpy(sum(gathered[index])).double()
+        for p in params:
+            piece = summed[offset : offset + p.numel()].view_as(p)
+            expected = before[p] - LR * state.postscale(index) * piece
+            torch.testing.assert_close(p.detach().double(), expected, rtol=0, atol=1e-6)
+            offset += p.numel()
+        assert not state.reducers[index].residual.any()
+    for row in gather(flat(model)):
+        assert torch.equal(torch.from_numpy(row), flat(model))
+    step_once(model, optimizer, 9)  # training goes on from the flushed parameters
+    for row in gather(flat(model)):
+        assert torch.equal(torch.from_numpy(row), flat(model))
