@@ -96,6 +96,10 @@ class Monitor(keras.callbacks.Callback):
         s = self.model.optimizer.stats()
         self.moved.append(s.bytes_sent + s.bytes_received)
         step, self.step = self.step, self.step + 1
+        if step == self.args.steps - 1 and self.args.flush and self.args.density < 1.0:
+            # The model this run keeps holds every rank's pending update too.
+            flushed = self.model.optimizer.flush_residuals()
+            self.moved[-1] += sum(allreduce_ring_bytes(flushed, hvd.size(), 4))
         if step % self.args.eval_every and step != self.args.steps - 1:
             return
         paused = time.perf_counter()
@@ -124,6 +128,9 @@ def main() -> None:
         "--lr", type=float, default=None, help="per rank; scaled by P (SGD 0.02, Adam 0.001)"
     )
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument(
+        "--no-flush", dest="flush", action="store_false", help="ablation: keep the residuals"
+    )  # by default the last step applies every rank's pending update (flush_residuals)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--json", default=None, help="write the curves here (rank 0)")

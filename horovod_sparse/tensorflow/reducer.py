@@ -18,6 +18,7 @@ import tensorflow as tf
 from horovod_sparse.common.buckets import Bucket, plan_model
 from horovod_sparse.common.config import SparseConfig, optimizer_scales
 from horovod_sparse.common.engine import BucketView
+from horovod_sparse.common.flush import sum_over_ranks
 from horovod_sparse.common.fusion import DenseFusion, FusionMember, plan_dense_runs
 from horovod_sparse.common.pipeline import BucketReducer, DenseBucketReducer
 from horovod_sparse.common.stats import StepStats, progress_line
@@ -296,6 +297,22 @@ class GradientReducer:
     def stats(self) -> StepStats:
         """Statistics of the last reduction, summed over buckets."""
         return self.bucket_set.stats()
+
+    def flush_residuals(self, variables: Sequence[Any], learning_rate: Any) -> int:
+        """Every rank's residuals summed (:mod:`horovod_sparse.common.flush`), each
+        variable of a sparse bucket moved by ``-learning_rate * postscale`` times its
+        part, the residuals zeroed; for a step ``v -= lr * result``. ``variables``: the
+        ones this reducer was made with. Eager. Returns the number of values summed."""
+        sparse = [(b, p, s) for b, p, s in self.buckets if s.residual is not None]
+        residuals = [tf.convert_to_tensor(s.residual) for _, _, s in sparse]
+        sums = sum_over_ranks(BACKEND, residuals, self.process_set, f"{self.name}.flush")
+        for (bucket, positions, state), residual, total in zip(sparse, residuals, sums):
+            for entry, position in zip(bucket.entries, positions):
+                v = variables[position]
+                part = tf.reshape(total[entry.offset : entry.offset + entry.numel], v.shape)
+                v.assign_sub(tf.cast(learning_rate * self.postscale, v.dtype) * part)
+            state.residual.assign(tf.zeros_like(residual))
+        return sum(bucket.numel for bucket, _, _ in sparse)
 
     def residuals(self) -> dict[str, Any]:
         """Residual variable per sparse bucket."""

@@ -53,12 +53,10 @@ from horovod_sparse.torch.ddp_lookahead import HookLookahead
 from horovod_sparse.torch.ddp_saving import StateSaving
 from horovod_sparse.torch.ddp_scaling import LossScaling
 from horovod_sparse.torch.ddp_small import SmallParameters
-from horovod_sparse.torch.distributed import DistributedBackend, FP16Values
+from horovod_sparse.torch.distributed import BACKEND, FP16Values
 from horovod_sparse.torch.gathered import GatheredState
 
 __all__ = ["GatheredState", "SparseState", "sparse_allreduce_hook"]
-
-BACKEND = DistributedBackend()
 
 
 class SparseState(StateSaving):

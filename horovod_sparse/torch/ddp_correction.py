@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from horovod_sparse.common.correction import adam_direction, sgd_direction
-from horovod_sparse.torch.distributed import DistributedBackend
+from horovod_sparse.torch.distributed import BACKEND
 
 __all__ = ["WHOLE", "HookCorrection"]
 
 WHOLE = -1
-_OPS = DistributedBackend()
+_OPS = BACKEND
 
 
 class HookCorrection:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from horovod_sparse.torch.distributed import BACKEND
 from horovod_sparse.torch.flush import Owed, flush_owed
 from horovod_sparse.torch.lookahead import Lookahead, plain_sgd
 
@@ -85,7 +86,7 @@ class HookLookahead(Lookahead):
     def _pending(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
         ranks = dist.get_world_size(self.state.process_group)
         for owed in self._owed():
-            if not owed.clear:  # else nothing pending yet
+            if not owed.reducer.residual_clear:  # else nothing pending yet
                 # Every rank's residual taken equal to this one's: P times this rank's share.
                 yield owed.param, owed.residual, owed.share * ranks
 
@@ -106,9 +107,7 @@ class HookLookahead(Lookahead):
                 numel = layout.pieces[position][1]
                 param = by_position.get(position)
                 if param is not None:
-                    view = reducer.residual[offset : offset + numel].view_as(param)
-                    share = state.postscale(index)
-                    yield Owed(param, view, share, reducer, reducer.residual_clear)
+                    yield Owed(param, reducer, offset, state.postscale(index))
                 offset += numel
 
     def flush_residuals(self) -> int:
@@ -118,10 +117,5 @@ class HookLookahead(Lookahead):
         before the model is evaluated or saved for keeps, with no backward pass waiting
         for its step. Returns the number of values summed."""
         self.remove()  # the flush moves the shared parameters
-        group = self.state.process_group
-
-        def sum_over_ranks(flat: torch.Tensor, name: str) -> torch.Tensor:
-            dist.all_reduce(flat, group=group)
-            return flat
-
-        return flush_owed(self._owed(), lambda p: float(self._groups[p]["lr"]), sum_over_ranks)
+        lr_of = lambda p: float(self._groups[p]["lr"])  # noqa: E731
+        return flush_owed(self._owed(), lr_of, BACKEND, self.state.process_group)

@@ -225,6 +225,6 @@ class ResidualLookahead(Lookahead):
 
     def _pending(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
         for owed in engine_owed(self.engine, self._buckets, self._params):
-            if not owed.clear:  # else nothing pending (no sparse step yet)
+            if not owed.reducer.residual_clear:  # else nothing pending (no sparse step yet)
                 # Every rank's residual taken equal to this one's: P times this rank's share.
                 yield owed.param, owed.residual, owed.share * self.ranks

@@ -145,13 +145,8 @@ class OptimizerStep(_OptimizerBase):
         if self._lookahead is not None:
             self._lookahead.remove()  # the flush moves the shared parameters
         lr = {p: group["lr"] for group in self.param_groups for p in group["params"]}
-
-        def sum_over_ranks(flat: torch.Tensor, name: str) -> torch.Tensor:
-            ops = self.engine.ops
-            return ops.wait(ops.allreduce_sum_async(flat, name, self.process_set))
-
         owed = engine_owed(self.engine, self._buckets, self._bucket_params)
-        return flush_owed(owed, lambda p: float(lr[p]), sum_over_ranks)
+        return flush_owed(owed, lambda p: float(lr[p]), self.engine.ops, self.process_set)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

@@ -37,6 +37,7 @@ from horovod_sparse.common.classes import combined_class
 from horovod_sparse.common.config import SparseConfig, make_config, optimizer_scales, take_options
 from horovod_sparse.common.correction import correction_family
 from horovod_sparse.common.options import Frontend, refuse_unsupported
+from horovod_sparse.tensorflow.keras.flush import KerasFlush
 from horovod_sparse.tensorflow.keras.state import SparseStateAccess
 from horovod_sparse.tensorflow.keras.update import exchange_update
 from horovod_sparse.tensorflow.reducer import (
@@ -59,7 +60,7 @@ else:
     _OptimizerBase = object
 
 
-class SparseOptimizerMixin(SparseStateAccess, _OptimizerBase):
+class SparseOptimizerMixin(SparseStateAccess, KerasFlush, _OptimizerBase):
     """Put in front of a Keras 3 optimizer class to reduce gradients sparsely.
 
     Takes the sparse keywords of :func:`DistributedOptimizer` next to the optimizer's own.
