@@ -114,8 +114,7 @@ class HookLookahead(Lookahead):
         """Apply every rank's pending update to the parameters and clear the hook's
         residuals, with one dense allreduce over the hook's process group
         (:mod:`horovod_sparse.torch.flush`). Call it on every rank where training ends,
-        before the model is evaluated or saved for keeps, with no backward pass waiting
-        for its step. Returns the number of values summed."""
+        before the model is evaluated or saved for keeps. Returns the number of values
+        summed."""
         self.remove()  # the flush moves the shared parameters
-        lr_of = lambda p: float(self._groups[p]["lr"])  # noqa: E731
-        return flush_owed(self._owed(), lr_of, BACKEND, self.state.process_group)
+        return flush_owed(self._owed(), self.lr, BACKEND, self.state.process_group)

@@ -132,6 +132,10 @@ class Lookahead:
         update over ``lr``."""
         raise NotImplementedError
 
+    def lr(self, param: torch.Tensor) -> float:
+        """The learning rate that steps ``param`` now (its group's)."""
+        return float(self._groups[param]["lr"])
+
     @property
     def applied(self) -> bool:
         return bool(self._moved)
@@ -150,7 +154,7 @@ class Lookahead:
             ahead = self._spare.get(param)
             if ahead is None or not _same_layout(ahead, param):  # or moved or cast since
                 ahead = torch.empty_like(param)
-            alpha = float(self._groups[param]["lr"]) * scale
+            alpha = self.lr(param) * scale
             torch.sub(param.data, pending.to(param.dtype), alpha=alpha, out=ahead)
             self._spare[param] = param.data
             param.data = ahead
