@@ -271,8 +271,11 @@ class Backend(Protocol):
     def unpack_rows(self, rows: Tensor, wire_like: Tensor) -> tuple[Tensor, Tensor]:
         """Inverse of :meth:`pack_rows`: ``(int64 indices, values in wire_like's dtype)``."""
 
-    def unique_inverse(self, indices: Tensor) -> tuple[Tensor, Tensor]:
-        """``(distinct values ascending, position of each input in them)``."""
+    def unique_inverse(self, indices: Tensor, runs: Any = None) -> tuple[Tensor, Tensor]:
+        """``(distinct values ascending, position of each input in them)``. ``runs``:
+        None, or the lengths of the consecutive runs ``indices`` is made of, each of
+        distinct ascending values (one per sending rank), which may be merged rather
+        than sorted."""
 
     # ---- value compression (Horovod ``Compression`` classes)
     def compress(self, values: Tensor, compression: Any) -> tuple[Tensor, Any, Any]:

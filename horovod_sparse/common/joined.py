@@ -134,13 +134,14 @@ class JoinedExchange:
         if self._owned is None:
             self._check_launched(self.scatter_handle, self._scatter_waits, "reduce-scatter")
             ops = self.ops
-            rows, _ = ops.wait(self.scatter_handle)
+            # Each rank's rows ascend: member by member, each at its own base.
+            rows, per_rank = ops.wait(self.scatter_handle)
             indices, wire_values = ops.unpack_rows(rows, self._wire_like)
             # Rows per member from the other ranks, for the records: member m's
             # rows are the m-th of len(members) equal bins of the joined index.
             everyone = ops.position_histogram(indices, self.edges[-1], len(self.members))
             counts = [everyone[m] - self._own_rows.get(m, 0) for m in range(len(self.members))]
-            distinct, sums = reduce_rows(ops, indices, decode(wire_values), like)
+            distinct, sums = reduce_rows(ops, indices, decode(wire_values), like, per_rank)
             parts = ops.cut_at(distinct, sums, self.edges, ordered=True)
             self._owned = [(idx, part_sums, n) for (idx, part_sums), n in zip(parts, counts)]
         return self._owned[self._position[id(member)]]

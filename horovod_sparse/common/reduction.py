@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from horovod_sparse.common.backend import Backend, Tensor
 
@@ -15,6 +15,7 @@ def owner_reduce(
     wire_like: Tensor,
     like: Tensor,
     decode: Callable[[Tensor], Tensor],
+    runs: Any = None,
 ) -> tuple[Tensor, Tensor]:
     """Sum the received rows; duplicate indices from different ranks add up.
 
@@ -25,22 +26,25 @@ def owner_reduce(
         wire_like: a tensor in the dtype the values travelled in.
         like: a tensor with the bucket's dtype and device.
         decode: undoes the value compression (identity without one).
+        runs: the rows received from each rank (the alltoall's received splits), or
+            None. Each rank's rows arrive with distinct ascending indices, so a backend
+            may merge these runs instead of sorting the rows.
 
     Returns:
         ``(indices, sums)``: the distinct region-local indices received, ascending, and
         the sum of the values received for each, in the bucket's dtype.
     """
     indices, wire_values = ops.unpack_rows(rows, wire_like)
-    return reduce_rows(ops, indices, decode(wire_values), like)
+    return reduce_rows(ops, indices, decode(wire_values), like, runs)
 
 
 def reduce_rows(
-    ops: Backend, indices: Tensor, values: Tensor, like: Tensor
+    ops: Backend, indices: Tensor, values: Tensor, like: Tensor, runs: Any = None
 ) -> tuple[Tensor, Tensor]:
     """The distinct ``indices``, ascending, and the sum of ``values`` at each (in
-    ``like``'s dtype), added in row order."""
+    ``like``'s dtype), added in row order. ``runs``: as for :func:`owner_reduce`."""
     # Sum over the distinct received indices only: O(rows), not O(region length).
     # Rows are added in arrival (rank) order, so the sums do not depend on timing (the
     # torch backend avoids index_add_'s unordered atomics on CUDA for this).
-    distinct, position = ops.unique_inverse(indices)
+    distinct, position = ops.unique_inverse(indices, runs)
     return distinct, ops.add_at(ops.zeros(ops.num_rows(distinct), like), position, values)

@@ -94,7 +94,7 @@ class SparseStages(SparseBucket):
             record.rows_received = ops.sum_except(recv_splits, self.rank)
             # Step 6a: owner reduction (duplicates from different ranks add up).
             region_indices, sums = owner_reduce(
-                ops, rows, inflight.wire_like, self.residual, decode=decode
+                ops, rows, inflight.wire_like, self.residual, decode, recv_splits
             )
         keys = ops.magnitude_keys(sums)
         return OwnedSums(region_indices, sums, keys, began, received, ops.clock(keys))

@@ -20,6 +20,7 @@ __all__ = [
     "VariableCell",
     "add_scaled_into_slice",
     "cut_at",
+    "merge_runs",
     "owner_major",
     "scheduled_budget",
     "top_k_mask",
@@ -98,6 +99,46 @@ def owner_major(sends: list[tuple[tf.Tensor, tf.Tensor]]) -> tuple[tf.Tensor, tf
     pieces = [tf.split(rows, splits, num=owners) for rows, splits in sends]
     joined = [piece[owner] for owner in range(owners) for piece in pieces]
     return tf.concat(joined, axis=0), tf.add_n([splits for _, splits in sends])
+
+
+# The merge's sparse shape: above every region-local index (they travel as int32).
+_INDEX_BOUND = 2**31
+
+
+def merge_runs(indices: tf.Tensor, runs: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """``Backend.unique_inverse`` of ``indices`` made of ``len(runs)`` runs of distinct
+    ascending values, without a sort: neighbouring runs are merged pairwise, ``SparseAdd``
+    walking two sorted lists, until one list is left (log2 of the runs rounds).
+
+    Each merge tags its inputs' entries 1 and 2, so an entry of the merged list tells
+    which inputs hold it (3: both), and the tags say where each input's entries went.
+    """
+    # (distinct values, position of each of the group's rows in them), in row order.
+    groups = [
+        (part, tf.range(tf.size(part, out_type=tf.int64), dtype=tf.int64))
+        for part in tf.split(indices, runs, num=int(runs.shape[0]))
+    ]
+    while len(groups) > 1:
+        paired = [_merge(*groups[i : i + 2]) for i in range(0, len(groups) - 1, 2)]
+        groups = paired + groups[len(paired) * 2 :]
+    return groups[0]
+
+
+def _merge(
+    first: tuple[tf.Tensor, tf.Tensor], second: tuple[tf.Tensor, tf.Tensor]
+) -> tuple[tf.Tensor, tf.Tensor]:
+    merged = tf.sparse.add(_tagged(first[0], 1), _tagged(second[0], 2))
+    # SparseAdd drops a sum below its threshold, 0 here: it keeps every tag.
+    tags = merged.values
+    went_first, went_second = tf.where(tags != 2)[:, 0], tf.where(tags >= 2)[:, 0]
+    positions = [tf.gather(went_first, first[1]), tf.gather(went_second, second[1])]
+    return merged.indices[:, 0], tf.concat(positions, 0)
+
+
+def _tagged(indices: tf.Tensor, tag: int) -> tf.SparseTensor:
+    return tf.SparseTensor(
+        tf.reshape(indices, [-1, 1]), tf.fill(tf.shape(indices), tag), [_INDEX_BOUND]
+    )
 
 
 def cut_at(
