@@ -210,7 +210,7 @@ class TFBackend(HorovodPrimitives):
         return tf.where(tf.logical_not(inside))[:, 0]
 
     def top_of(self, values: tf.Tensor, candidates: tf.Tensor, k: Any) -> tf.Tensor:
-        magnitudes = tf.abs(tf.gather(values, candidates))
+        magnitudes = tf.abs(kernels.bucket_gather(values, candidates))
         top = tf.cast(top_k_mask(magnitudes, k), tf.int32)
         return tf.dynamic_partition(candidates, top, 2)[1]
 
@@ -223,7 +223,7 @@ class TFBackend(HorovodPrimitives):
         return tensor.numpy().tolist()
 
     def take(self, values: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
-        return tf.gather(values, indices)
+        return kernels.bucket_gather(values, indices)
 
     # The sparse-tensor kernels below beat tensor_scatter_nd_* on a bucket of 16M floats
     # with 1% of the entries addressed (CPU, one thread): 8.6 ms against 17.7 to zero
@@ -275,13 +275,7 @@ class TFBackend(HorovodPrimitives):
         return indices, tf.reshape(values, [-1])
 
     def unique_inverse(self, indices: tf.Tensor, runs: Any = None) -> tuple[tf.Tensor, tf.Tensor]:
-        if runs is not None:
-            return kernels.merge_runs(indices, runs)
-        # tf.unique keeps first-seen order; sort the distinct values and remap.
-        distinct, position = tf.unique(indices)
-        order = tf.argsort(distinct)
-        rank_of = tf.math.invert_permutation(order)
-        return tf.gather(distinct, order), tf.gather(rank_of, position)
+        return kernels.unique_inverse(indices, runs)
 
     # ---- global selection (radix select over fp32 magnitude bits)
     def magnitude_keys(self, values: tf.Tensor) -> tf.Tensor:

