@@ -1,26 +1,35 @@
-"""Where a training step's time goes: dense Horovod against the sparse optimizer.
+"""Where a training step's time goes: dense Horovod against the sparse plugin, torch and TF.
 
 Trains the demo's MLP (``--model demo``: 1.19M parameters, as ``make demo``) or a wide
 MLP (``--model wide``: 25.2M) for ``--steps`` steps after ``--warmup`` unmeasured ones,
-with ``hvd.DistributedOptimizer`` and then ``horovod_sparse.torch.DistributedOptimizer``
-at its defaults, in one ``horovodrun -np P --gloo`` job per P and thread setting, and
-prints per step (medians over the measured steps; the whole step is the slowest
-rank's):
+in one ``horovodrun -np P --gloo`` job per framework, P and thread setting, and prints
+per step (medians over the measured steps; the whole step is the slowest rank's):
 
-* forward+backward: ``zero_grad`` to the end of ``backward()`` (the sparse optimizer's
-  bucket work in the gradient hooks included);
-* optimizer step: ``optimizer.step()`` (waiting on the exchanges, unpacking);
-* selection and exchange: the sparse optimizer's own host seconds (``stats()``:
-  local and global selection; issuing and waiting on collectives);
-* collectives: the sparse optimizer's alltoalls, allgathers and allreduces per step
-  (counted by wrapping its backend), and the fraction of steps whose global threshold
-  refreshed.
+* torch (``--framework torch``): ``hvd.DistributedOptimizer`` and then
+  ``horovod_sparse.torch.DistributedOptimizer`` at its defaults, SGD with momentum;
+* TF (``--framework tf``): a ``tf.function`` training step with
+  ``hvd.DistributedGradientTape`` and then ``horovod_sparse.tensorflow``'s, SGD with
+  momentum (Keras); the step is one traced call, so it is not split further.
 
-    python benchmarks/step_profile.py [--model demo,wide] [--ranks 2] [--threads default,1]
+Columns:
+
+* forward+backward (torch): ``zero_grad`` to the end of ``backward()`` (the sparse
+  optimizer's bucket work in the gradient hooks included);
+* optimizer step (torch): ``optimizer.step()`` (waiting on the exchanges, unpacking);
+* selection and exchange: the sparse plugin's own host seconds (``stats()``: local and
+  global selection; issuing and waiting on collectives);
+* waits (torch): the part of the exchange spent waiting for collectives to finish
+  (Horovod's negotiation included), timed by wrapping the sparse optimizer's backend;
+* collectives (torch): the sparse optimizer's alltoalls, allgathers and allreduces per
+  step (counted by wrapping its backend), and the fraction of steps whose global
+  threshold refreshed (both frameworks).
+
+    python benchmarks/step_profile.py [--model demo,wide] [--framework torch,tf]
+                                      [--ranks 2] [--threads default,1]
                                       [--steps 60] [--warmup 20]
 
-``--threads default`` sets nothing (``horovodrun`` sets no thread count, so torch takes
-every core in every rank); ``1`` calls ``torch.set_num_threads(1)`` in every rank.
+``--threads default`` sets nothing (``horovodrun`` sets no thread count, so each
+framework takes every core in every rank); ``1`` sets one intra-op thread in every rank.
 Writes JSON and a markdown table (default under results/step_profile.*).
 """
 
@@ -34,6 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -53,11 +63,22 @@ def build(model_name: str):
     return torch.nn.Sequential(*layers), features, classes
 
 
-def count_collectives(counts: dict[str, int]) -> None:
-    """Wrap the sparse optimizer's backend so that every collective it issues counts."""
+def count_collectives(counts: dict[str, Any]) -> None:
+    """Wrap the sparse optimizer's backend so that every collective it issues counts, and
+    the seconds spent waiting for them add up in ``counts["wait_s"]``."""
     from horovod_sparse.torch import functions
 
     backend = functions.BACKEND
+    original_wait = backend.wait
+
+    def timed_wait(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return original_wait(*args, **kwargs)
+        finally:
+            counts["wait_s"] += time.perf_counter() - began
+
+    backend.wait = timed_wait
     for kind in (*COLLECTIVES, "allreduce_sum_inplace_async"):
         original = getattr(backend, kind)
         key = "allreduce_sum_async" if kind.startswith("allreduce") else kind
@@ -87,7 +108,7 @@ def run_mode(model_name: str, sparse: bool, steps: int, warmup: int) -> dict:
     generator = torch.Generator().manual_seed(hvd.rank())
     x = torch.randn(8, 64, features, generator=generator)
     y = torch.randint(0, classes, (8, 64), generator=generator)
-    counts = dict.fromkeys(COLLECTIVES, 0)
+    counts: dict[str, Any] = dict.fromkeys(COLLECTIVES, 0) | {"wait_s": 0.0}
     if sparse:
         count_collectives(counts)
     rows = []
@@ -116,15 +137,97 @@ def run_mode(model_name: str, sparse: bool, steps: int, warmup: int) -> dict:
                 "selection_s": stats.seconds_select,
                 "exchange_s": stats.seconds_exchange,
                 "refreshed": int(stats.global_refreshes > 0),
+                "wait_s": counts["wait_s"] - before["wait_s"],
                 **{kind: counts[kind] - before[kind] for kind in COLLECTIVES},
             }
         rows.append(row)
     return {
         "model": model_name,
+        "framework": "torch",
         "mode": "sparse (defaults)" if sparse else "dense hvd.DistributedOptimizer",
         "parameters": sum(p.numel() for p in model.parameters()),
         "rows": rows,
     }
+
+
+def run_tf_mode(model_name: str, sparse: bool, steps: int, warmup: int) -> dict:
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import horovod_sparse.tensorflow as hvds
+
+    width = WIDTHS[model_name]
+    tf.keras.utils.set_random_seed(0)
+    layers = [tf.keras.layers.Dense(width, activation="relu") for _ in range(2)]
+    if model_name == "wide":
+        layers.append(tf.keras.layers.Dense(width, activation="relu"))
+    model = tf.keras.Sequential([tf.keras.Input((128,)), *layers, tf.keras.layers.Dense(10)])
+    variables = [v.value for v in model.trainable_variables]  # tf.Variables for either tape
+    hvd.broadcast_variables(variables, root_rank=0)
+    optimizer = tf.keras.optimizers.SGD(learning_rate=0.01, momentum=0.9)
+    loss_of = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    generator = tf.random.Generator.from_seed(hvd.rank())
+    x = generator.normal([8, 64, 128])
+    y = generator.uniform([8, 64], maxval=10, dtype=tf.int32)
+    tapes = []
+
+    @tf.function
+    def train_step(images, labels):
+        with tf.GradientTape() as tape:
+            loss = loss_of(labels, model(images, training=True))
+        if sparse:
+            tape = hvds.DistributedGradientTape(tape)
+        else:
+            tape = hvd.DistributedGradientTape(tape)
+        tapes.append(tape)
+        grads = tape.gradient(loss, variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    rows = []
+    for step in range(warmup + steps):
+        began = time.perf_counter()
+        train_step(x[step % 8], y[step % 8]).numpy()
+        ended = time.perf_counter()
+        slowest = hvd.allreduce(
+            tf.constant([ended - began], tf.float64), op=hvd.Max, name=f"t.{step}"
+        )
+        if step < warmup:
+            continue
+        row = {"step_s": float(slowest[0])}
+        if sparse:
+            stats = tapes[-1].stats()
+            row |= {
+                "selection_s": stats.seconds_select,
+                "exchange_s": stats.seconds_exchange,
+                "refreshed": int(stats.global_refreshes > 0),
+            }
+        rows.append(row)
+    return {
+        "model": model_name,
+        "framework": "tf",
+        "mode": "sparse tape (defaults)" if sparse else "dense hvd.DistributedGradientTape",
+        "parameters": sum(int(tf.size(v)) for v in model.trainable_variables),
+        "rows": rows,
+    }
+
+
+def tf_worker(models: list[str], threads: str, steps: int, warmup: int, out: str) -> None:
+    import tensorflow as tf
+
+    if threads != "default":
+        tf.config.threading.set_intra_op_parallelism_threads(int(threads))
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    results = []
+    for model_name in models:
+        for sparse in (False, True):
+            result = run_tf_mode(model_name, sparse, steps, warmup)
+            used = tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
+            results.append(result | {"P": hvd.size(), "threads": threads, "threads_used": used})
+    if hvd.rank() == 0:
+        Path(out).write_text(json.dumps(results))
 
 
 def worker(models: list[str], threads: str, steps: int, warmup: int, out: str) -> None:
@@ -141,7 +244,7 @@ def worker(models: list[str], threads: str, steps: int, warmup: int, out: str) -
             result |= {
                 "P": hvd.size(),
                 "threads": threads,
-                "torch_threads": torch.get_num_threads(),
+                "threads_used": torch.get_num_threads(),
             }
             results.append(result)
     if hvd.rank() == 0:
@@ -161,14 +264,15 @@ def summarize(results: list[dict]) -> list[dict]:
             "model": result["model"],
             "P": result["P"],
             "threads": result["threads"],
-            "torch_threads": result["torch_threads"],
+            "threads_used": result["threads_used"],
+            "framework": result.get("framework", "torch"),
             "mode": result["mode"],
             "parameters": result["parameters"],
             **{key: median(rows, key) for key in rows[0] if key != "refreshed"},
         }
         if "refreshed" in rows[0]:
             entry["refresh_fraction"] = sum(row["refreshed"] for row in rows) / len(rows)
-        setting = (result["model"], result["P"], result["threads"])
+        setting = (result["model"], entry["framework"], result["P"], result["threads"])
         if result["mode"].startswith("dense"):
             dense[setting] = entry["step_s"]
         entry["step_vs_dense"] = entry["step_s"] / dense[setting]
@@ -178,31 +282,36 @@ def summarize(results: list[dict]) -> list[dict]:
 
 def markdown(table: list[dict]) -> str:
     lines = [
-        "| model | P | threads | mode | step ms | vs dense | fwd+bwd ms | opt.step ms "
-        "| selection ms | exchange ms | alltoall | allgather | allreduce | refreshed |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | framework | P | threads | mode | step ms | vs dense | fwd+bwd ms "
+        "| opt.step ms | selection ms | exchange ms | waits ms | alltoall | allgather "
+        "| allreduce | refreshed |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def ms(t: dict, key: str) -> str:
+        return f"{1e3 * t[key]:.1f}" if key in t else "-"
+
+    def per_step(t: dict, key: str) -> str:
+        return f"{t[key]:.0f}" if key in t else "-"
+
     for t in table:
-        sparse = "refresh_fraction" in t
-        extra = (
-            f"{1e3 * t['selection_s']:.1f} | {1e3 * t['exchange_s']:.1f} | "
-            f"{t['alltoall_async']:.0f} | {t['allgather_async']:.0f} | "
-            f"{t['allreduce_sum_async']:.0f} | {100 * t['refresh_fraction']:.0f} % |"
-            if sparse
-            else "- | - | - | - | - | - |"
-        )
-        threads = t["threads"] if t["threads"] != "default" else f"default ({t['torch_threads']})"
-        lines.append(
-            f"| {t['model']} ({t['parameters'] / 1e6:.2f}M) | {t['P']} | {threads} | "
-            f"{t['mode']} | {1e3 * t['step_s']:.1f} | {t['step_vs_dense']:.2f} | "
-            f"{1e3 * t['forward_backward_s']:.1f} | {1e3 * t['optimizer_step_s']:.1f} | {extra}"
-        )
+        refreshed = f"{100 * t['refresh_fraction']:.0f} %" if "refresh_fraction" in t else "-"
+        threads = t["threads"] if t["threads"] != "default" else f"default ({t['threads_used']})"
+        cells = [
+            f"{t['model']} ({t['parameters'] / 1e6:.2f}M)", t["framework"], str(t["P"]),
+            threads, t["mode"], ms(t, "step_s"), f"{t['step_vs_dense']:.2f}",
+            ms(t, "forward_backward_s"), ms(t, "optimizer_step_s"), ms(t, "selection_s"),
+            ms(t, "exchange_s"), ms(t, "wait_s"), per_step(t, "alltoall_async"),
+            per_step(t, "allgather_async"), per_step(t, "allreduce_sum_async"), refreshed,
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo,wide")
+    parser.add_argument("--framework", default="torch,tf")
     parser.add_argument("--ranks", default="2")
     parser.add_argument("--threads", default="default,1")
     parser.add_argument("--steps", type=int, default=60)
@@ -210,27 +319,35 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "results" / "step_profile"))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-threads", default="default", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-framework", default="torch", help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.model.split(",")
     if args.worker:
-        worker(models, args.worker_threads, args.steps, args.warmup, args.worker)
+        run = tf_worker if args.worker_framework == "tf" else worker
+        run(models, args.worker_threads, args.steps, args.warmup, args.worker)
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = []
-    for p in (int(x) for x in args.ranks.split(",")):
-        for threads in args.threads.split(","):
-            part = out.with_name(f"{out.name}.np{p}.t{threads}.json")
-            cmd = [
-                "horovodrun", "-np", str(p), "-H", f"localhost:{p}", "--gloo",
-                sys.executable, __file__, "--model", args.model,
-                "--steps", str(args.steps), "--warmup", str(args.warmup),
-                "--worker-threads", threads, "--worker", str(part),
-            ]  # fmt: skip
-            env = dict(os.environ, PYTHONPATH=str(ROOT))
-            env.pop("OMP_NUM_THREADS", None)  # "default" means what horovodrun leaves
-            subprocess.run(cmd, check=True, env=env, timeout=3600, stdout=subprocess.DEVNULL)
-            results += json.loads(part.read_text())
+    jobs = [
+        (framework, int(p), threads)
+        for framework in args.framework.split(",")
+        for p in args.ranks.split(",")
+        for threads in args.threads.split(",")
+    ]
+    for framework, p, threads in jobs:
+        part = out.with_name(f"{out.name}.{framework}.np{p}.t{threads}.json")
+        cmd = [
+            "horovodrun", "-np", str(p), "-H", f"localhost:{p}", "--gloo",
+            sys.executable, __file__, "--model", args.model,
+            "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--worker-threads", threads, "--worker-framework", framework,
+            "--worker", str(part),
+        ]  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env.pop("OMP_NUM_THREADS", None)  # "default" means what horovodrun leaves
+        subprocess.run(cmd, check=True, env=env, timeout=3600, stdout=subprocess.DEVNULL)
+        results += json.loads(part.read_text())
     table = summarize(results)
     out.with_suffix(".json").write_text(json.dumps({"table": table, "runs": results}, indent=1))
     text = markdown(table)
