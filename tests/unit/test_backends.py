@@ -174,6 +174,47 @@ def test_indices_at_least_take_the_edges_infinities_and_nan(backend, dtype):
     np.testing.assert_array_equal(got, [1, 2, 5, 6, 7, 8])
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize(
+    ("threshold", "expected"),
+    [
+        (0.0, list(range(10))),
+        (-0.0, list(range(10))),
+        (-1.0, list(range(10))),
+        (np.nan, list(range(10))),  # (-NaN, NaN) holds no value
+        (np.inf, [5, 6, 7]),
+    ],
+)
+def test_indices_at_least_with_zero_negative_infinite_and_nan_thresholds(
+    backend, dtype, threshold, expected
+):
+    ops, to, back = backend
+    values = np.array([0.5, 1.0, -1.0, 0.999, -0.999, np.nan, np.inf, -np.inf, 2.0, -0.0])
+    got = back(ops.indices_at_least(to(values.astype(dtype)), to(np.array(threshold, dtype))))
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("hits", [[0, 4, 6], [1, 2, 3, 4, 6], [5]])
+def test_zero_at_zeroes_every_hit_entry_inf_and_nan_included_and_keeps_the_rest(
+    backend, dtype, hits
+):
+    ops, to, back = backend
+    values = np.array([1.5, np.nan, np.inf, -np.inf, -0.0, 2.0, -3.25, 7.0]).astype(dtype)
+    indices = np.array(hits, dtype=np.int64)
+    expected = values.copy()
+    expected[indices] = 0.0  # +0, also where -0 was
+    results = [back(ops.zero_at(to(values.copy()), to(indices)))]
+    if "TFBackend" in {cls.__name__ for cls in type(ops).__mro__}:
+        import tensorflow as tf
+
+        # Traced, the inf/NaN branch is a tf.cond.
+        results.append(back(tf.function(ops.zero_at)(to(values), to(indices))))
+    bits = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
+    for got in results:
+        np.testing.assert_array_equal(got.view(bits), expected.view(bits))
+
+
 @pytest.mark.parametrize(
     ("numel", "size", "offset"), [(100, 10, 3), (103, 10, 12), (7, 7, 5), (262144, 25600, 9)]
 )
