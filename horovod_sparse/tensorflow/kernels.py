@@ -22,13 +22,11 @@ __all__ = [
     "add_scaled_into_slice",
     "bucket_gather",
     "cut_at",
-    "indices_at_least",
     "merge_runs",
     "owner_major",
     "scheduled_budget",
     "top_k_mask",
     "unique_inverse",
-    "zero_at",
 ]
 
 
@@ -113,47 +111,6 @@ def bucket_gather(values: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
     if numel is not None and numel < 2**31:
         indices = tf.cast(indices, tf.int32)
     return tf.gather(values, indices)
-
-
-# Per float width: the integer type of its bits and the mask that drops the sign.
-_MAGNITUDE_BITS = {2: (tf.int16, 0x7FFF), 4: (tf.int32, 0x7FFFFFFF), 8: (tf.int64, 2**63 - 1)}
-
-
-def indices_at_least(values: tf.Tensor, threshold: tf.Tensor) -> tf.Tensor:
-    """``Backend.indices_at_least`` on the bits of the magnitudes: without its sign bit a
-    float's bits order its magnitudes as integers, with NaN above inf, so one ``and`` and
-    one comparison select ``|v| >= t`` with NaN in, as dense would pass it (13.6 against
-    15.5 ms for two comparisons of the values over 16M floats, one CPU thread).
-
-    A negative, -0 or NaN threshold selects everything, as no value then lies inside
-    ``(-t, t)``: the bits of a negative float are a negative integer, and NaN reads as 0.
-    """
-    int_type, sign_off = _MAGNITUDE_BITS[values.dtype.size]
-    threshold = tf.cast(threshold, values.dtype)
-    threshold = tf.where(tf.math.is_nan(threshold), tf.zeros_like(threshold), threshold)
-    magnitudes = tf.bitwise.bitwise_and(tf.bitcast(values, int_type), sign_off)
-    return tf.where(magnitudes >= tf.bitcast(threshold, int_type))[:, 0]
-
-
-def zero_at(buffer: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
-    """``Backend.zero_at``: every finite entry at ``indices`` cancelled by adding its
-    negation (``x + -x`` is +0 exactly) in one sparse add, a copy of the buffer and a
-    scatter (168K of 16M floats, one CPU thread: 5 against 7 ms for a mask and a select
-    over all of it). inf and NaN do not cancel: when one is hit, the mask and the
-    select zero the entries as well."""
-    taken = bucket_gather(buffer, indices)
-    finite = tf.math.is_finite(taken)
-    rows = tf.cast(indices, tf.int64)[:, None]
-    shape = tf.shape(buffer, out_type=tf.int64)
-    negated = tf.where(finite, -taken, tf.zeros_like(taken))
-    cancelled = tf.sparse.add(buffer, tf.SparseTensor(rows, negated, shape))
-
-    def masked() -> tf.Tensor:
-        ones = tf.SparseTensor(rows, tf.ones_like(indices, tf.bool), shape)
-        hit = tf.sparse.to_dense(ones, default_value=False, validate_indices=False)
-        return tf.where(hit, tf.zeros([], buffer.dtype), cancelled)
-
-    return tf.cond(tf.reduce_all(finite), lambda: cancelled, masked)
 
 
 def unique_inverse(indices: tf.Tensor, runs: Any) -> tuple[tf.Tensor, tf.Tensor]:
