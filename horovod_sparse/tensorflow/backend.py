@@ -329,8 +329,9 @@ class TFBackend(HorovodPrimitives):
     def split_by_mask(
         self, mask: tf.Tensor, *tensors: tf.Tensor
     ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
-        # One partition a tensor, not two boolean masks: 1.6 against 8.6 ms for an index
-        # and a value tensor of 336K rows (CPU, one thread).
+        # One partition a tensor, not two boolean masks: for an index and a value tensor
+        # of 336K rows (CPU, one thread) 1.6 against 8.6 ms eagerly, 0.9 against 2.3-3.0
+        # traced.
         partitions = tf.cast(mask, tf.int32)
         parts = [tf.dynamic_partition(t, partitions, 2) for t in tensors]
         return [part[1] for part in parts], [part[0] for part in parts]

@@ -105,8 +105,8 @@ def owner_major(sends: list[tuple[tf.Tensor, tf.Tensor]]) -> tuple[tf.Tensor, tf
 
 
 def bucket_gather(values: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
-    """``tf.gather`` from a bucket: with int32 indices where they fit, 3x faster (168K of
-    16M floats: 1.0 against 3.1 ms, CPU, one thread)."""
+    """``tf.gather`` from a bucket: with int32 indices where they fit, 3x faster eagerly
+    (168K of 16M floats: 1.0 against 3.1 ms, CPU, one thread); traced, the same."""
     numel = values.shape[0]
     if numel is not None and numel < 2**31:
         indices = tf.cast(indices, tf.int32)
