@@ -114,8 +114,9 @@ def bucket_gather(values: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
 
 
 def unique_inverse(indices: tf.Tensor, runs: Any) -> tuple[tf.Tensor, tf.Tensor]:
-    """``Backend.unique_inverse``: the runs merged where known (:func:`merge_runs`)."""
-    if runs is not None:
+    """``Backend.unique_inverse``: the runs merged where their number is known
+    (:func:`merge_runs`)."""
+    if runs is not None and runs.shape[0] is not None:
         return merge_runs(indices, runs)
     # tf.unique keeps first-seen order; sort the distinct values and remap.
     distinct, position = tf.unique(indices)
