@@ -1,7 +1,7 @@
 """Where a training step's time goes: dense Horovod against the sparse plugin, torch and TF.
 
 Trains the demo's MLP (``--model demo``: 1.19M parameters, as ``make demo``) or a wide
-MLP (``--model wide``: 25.2M) for ``--steps`` steps after ``--warmup`` unmeasured ones,
+MLP (``--model wide``: 34.1M) for ``--steps`` steps after ``--warmup`` unmeasured ones,
 in one ``horovodrun -np P --gloo`` job per framework, P and thread setting, and prints
 per step (medians over the measured steps; the whole step is the slowest rank's):
 
