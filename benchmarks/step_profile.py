@@ -63,12 +63,22 @@ def build(model_name: str):
     return torch.nn.Sequential(*layers), features, classes
 
 
-def count_collectives(counts: dict[str, Any]) -> None:
-    """Wrap the sparse optimizer's backend so that every collective it issues counts, and
-    the seconds spent waiting for them add up in ``counts["wait_s"]``."""
+# What the sparse optimizer's backend issued and waited for, over the whole process
+# (each mode reads its steps' differences).
+COUNTS: dict[str, Any] = dict.fromkeys(COLLECTIVES, 0) | {"wait_s": 0.0}
+
+
+def count_collectives() -> dict[str, Any]:
+    """Wrap the sparse optimizer's backend, once a process, so that every collective it
+    issues counts in :data:`COUNTS` and the seconds spent waiting for them add up in
+    ``COUNTS["wait_s"]``."""
     from horovod_sparse.torch import functions
 
     backend = functions.BACKEND
+    if getattr(backend, "_step_profile_counting", False):
+        return COUNTS
+    backend._step_profile_counting = True
+    counts = COUNTS
     original_wait = backend.wait
 
     def timed_wait(*args, **kwargs):
@@ -88,6 +98,7 @@ def count_collectives(counts: dict[str, Any]) -> None:
             return _original(*args, **kwargs)
 
         setattr(backend, kind, counting)
+    return counts
 
 
 MODES = {
@@ -117,9 +128,7 @@ def run_mode(model_name: str, mode: str, steps: int, warmup: int) -> dict:
     generator = torch.Generator().manual_seed(hvd.rank())
     x = torch.randn(8, 64, features, generator=generator)
     y = torch.randint(0, classes, (8, 64), generator=generator)
-    counts: dict[str, Any] = dict.fromkeys(COLLECTIVES, 0) | {"wait_s": 0.0}
-    if sparse:
-        count_collectives(counts)
+    counts = count_collectives() if sparse else dict(COUNTS)
     rows = []
     total = 0.0
     for step in range(warmup + steps):
@@ -184,7 +193,7 @@ def run_tf_mode(model_name: str, sparse: bool, steps: int, warmup: int) -> dict:
     generator = tf.random.Generator.from_seed(hvd.rank())
     x = generator.normal([8, 64, 128])
     y = generator.uniform([8, 64], maxval=10, dtype=tf.int32)
-    tapes = []
+    tapes = []  # the tape of each trace: the step's Python, tape included, runs when traced
 
     @tf.function
     def train_step(images, labels):
