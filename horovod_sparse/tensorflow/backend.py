@@ -202,12 +202,7 @@ class TFBackend(HorovodPrimitives):
         return tf.raw_ops.NthElement(input=values, n=tf.cast(k - 1, tf.int32), reverse=True)
 
     def indices_at_least(self, values: tf.Tensor, threshold: tf.Tensor) -> tf.Tensor:
-        # "Not inside (-threshold, threshold)": NaN (false in every comparison) is selected,
-        # as dense would pass it. Two comparisons of the values themselves, not of their
-        # magnitudes: one 16M pass fewer (14 against 18.5 ms, one CPU thread).
-        threshold = tf.cast(threshold, values.dtype)
-        inside = tf.logical_and(values < threshold, values > -threshold)
-        return tf.where(tf.logical_not(inside))[:, 0]
+        return kernels.indices_at_least(values, threshold)
 
     def top_of(self, values: tf.Tensor, candidates: tf.Tensor, k: Any) -> tf.Tensor:
         magnitudes = tf.abs(kernels.bucket_gather(values, candidates))

@@ -16,30 +16,14 @@ stands. On a GPU it changes nothing the kernels use.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
+from horovod_sparse.common.host_candidates import cores_available, local_ranks_from_environment
+
 __all__ = ["LocalThreads", "cores_available", "local_ranks_from_environment"]
-
-
-def cores_available() -> int:
-    """The cores this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def local_ranks_from_environment() -> int:
-    """Ranks on this host as the launcher says (``torchrun``, Open MPI), else 1."""
-    for variable in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        value = os.environ.get(variable)
-        if value and value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
 
 
 class LocalThreads:

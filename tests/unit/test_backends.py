@@ -73,9 +73,26 @@ def _tf_backend():
     return Local(), tf.constant, (lambda t: t.numpy())
 
 
-@pytest.fixture(params=["torch", "tensorflow"])
-def backend(request):
-    return _torch_backend() if request.param == "torch" else _tf_backend()
+@pytest.fixture(params=["torch", "tensorflow", "tensorflow-host-pass"])
+def backend(request, monkeypatch):
+    if request.param == "torch":
+        return _torch_backend()
+    import horovod_sparse.tensorflow.kernels as tf_kernels
+
+    # TF's candidate pass in its own ops, or in NumPy on the host (what a CPU-only
+    # process at one or two threads runs): every test runs both.
+    monkeypatch.setattr(tf_kernels, "HOST_PASS", request.param == "tensorflow-host-pass")
+    return _tf_backend()
+
+
+def _traced_too(ops, function, *args):
+    """``function(*args)``, and under TF also the same traced in a ``tf.function``."""
+    results = [function(*args)]
+    if "TFBackend" in {cls.__name__ for cls in type(ops).__mro__}:
+        import tensorflow as tf
+
+        results.append(tf.function(function)(*args))
+    return results
 
 
 def test_adapters_implement_every_primitive():
@@ -170,8 +187,8 @@ def test_indices_at_least_take_the_edges_infinities_and_nan(backend, dtype):
     ops, to, back = backend
     values = np.array([0.5, 1.0, -1.0, 0.999, -0.999, np.nan, np.inf, -np.inf, 2.0, 0.0])
     values = values.astype(dtype)
-    got = back(ops.indices_at_least(to(values), to(np.array(1.0, dtype))))
-    np.testing.assert_array_equal(got, [1, 2, 5, 6, 7, 8])
+    for got in _traced_too(ops, ops.indices_at_least, to(values), to(np.array(1.0, dtype))):
+        np.testing.assert_array_equal(back(got), [1, 2, 5, 6, 7, 8])
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
@@ -190,8 +207,9 @@ def test_indices_at_least_with_zero_negative_infinite_and_nan_thresholds(
 ):
     ops, to, back = backend
     values = np.array([0.5, 1.0, -1.0, 0.999, -0.999, np.nan, np.inf, -np.inf, 2.0, -0.0])
-    got = back(ops.indices_at_least(to(values.astype(dtype)), to(np.array(threshold, dtype))))
-    np.testing.assert_array_equal(got, expected)
+    args = to(values.astype(dtype)), to(np.array(threshold, dtype))
+    for got in _traced_too(ops, ops.indices_at_least, *args):
+        np.testing.assert_array_equal(back(got), expected)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])

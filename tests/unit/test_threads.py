@@ -50,11 +50,13 @@ def test_scope_restores_after_an_error(monkeypatch, two_threads):
 
 
 def test_local_ranks_from_the_launchers_environment(monkeypatch):
-    for variable in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+    for variable in ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
         monkeypatch.delenv(variable, raising=False)
     assert local_ranks_from_environment() == 1
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "3")
     assert local_ranks_from_environment() == 3
+    monkeypatch.setenv("HOROVOD_LOCAL_SIZE", "5")  # horovodrun's, before Open MPI's
+    assert local_ranks_from_environment() == 5
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's, read first
     assert local_ranks_from_environment() == 4
 

@@ -1,0 +1,75 @@
+"""TF's candidate pass: NumPy on the host (eagerly on a view of the tensor, traced through
+``tf.numpy_function``) or TF's own ops, against the plain definition, and when a process
+runs which."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf
+
+import horovod_sparse.tensorflow.kernels as kernels
+from horovod_sparse.common.host_candidates import CANDIDATE_CHUNK
+
+
+@pytest.mark.parametrize("host_pass", [True, False])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_both_passes_equal_the_definition_over_several_chunks(monkeypatch, host_pass, dtype):
+    monkeypatch.setattr(kernels, "HOST_PASS", host_pass)
+    rng = np.random.default_rng(3)
+    numel = 2 * CANDIDATE_CHUNK + 12_345  # three chunks, the last ragged
+    values = rng.standard_normal(numel).astype(dtype)
+    values[rng.choice(numel, 50, replace=False)] = np.nan
+    values[rng.choice(numel, 50, replace=False)] = np.inf
+    values[rng.choice(numel, 50, replace=False)] = -np.inf
+    threshold = np.array(2.5, dtype)
+    expected = np.flatnonzero(~(np.abs(values) < threshold))
+    tensor, limit = tf.constant(values), tf.constant(threshold)
+    traced = tf.function(kernels.indices_at_least)
+    for got in (kernels.indices_at_least(tensor, limit), traced(tensor, limit)):
+        assert got.dtype == tf.int64
+        np.testing.assert_array_equal(got.numpy(), expected)
+
+
+def test_the_host_pass_leaves_its_input_and_earlier_results_alone(monkeypatch):
+    monkeypatch.setattr(kernels, "HOST_PASS", True)
+    values = np.random.default_rng(4).standard_normal(5000).astype(np.float32)
+    tensor = tf.constant(values)
+    first = kernels.indices_at_least(tensor, tf.constant(1.0))
+    kept = first.numpy().copy()
+    second = kernels.indices_at_least(tensor, tf.constant(0.5))
+    np.testing.assert_array_equal(first.numpy(), kept)
+    assert second.shape[0] > first.shape[0]
+    np.testing.assert_array_equal(tensor.numpy(), values)
+
+
+@pytest.mark.parametrize(
+    ("cores", "local_ranks", "intra_op", "expected"),
+    [
+        (2, 2, 0, True),  # 2 ranks sharing 2 cores
+        (16, 2, 0, False),  # 8 cores a rank: TF's parallel ops
+        (16, 2, 1, True),  # one intra-op thread set by the user
+        (16, 8, 0, True),  # 2 cores a rank
+    ],
+)
+def test_the_host_pass_serves_processes_with_at_most_two_threads(
+    monkeypatch, cores, local_ranks, intra_op, expected
+):
+    monkeypatch.setattr(kernels, "HOST_PASS", None)
+    monkeypatch.setattr(kernels, "cores_available", lambda: cores)
+    monkeypatch.setattr(kernels, "local_ranks_from_environment", lambda: local_ranks)
+    monkeypatch.setattr(tf.config.threading, "get_intra_op_parallelism_threads", lambda: intra_op)
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind: [])
+    assert kernels.host_pass_fits(tf.zeros([4])) is expected
+    # A GPU in TF's view: never.
+    monkeypatch.setattr(kernels, "HOST_PASS", None)
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind: ["GPU:0"])
+    assert kernels.host_pass_fits(tf.zeros([4])) is False
+    # A dtype NumPy lacks: TF's ops, whatever the process.
+    monkeypatch.setattr(kernels, "HOST_PASS", True)
+    assert kernels.host_pass_fits(tf.zeros([4], tf.bfloat16)) is False
