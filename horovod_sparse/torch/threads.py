@@ -16,6 +16,7 @@ stands. On a GPU it changes nothing the kernels use.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
@@ -23,7 +24,36 @@ import torch
 
 from horovod_sparse.common.host_candidates import cores_available, local_ranks_from_environment
 
-__all__ = ["LocalThreads", "cores_available", "local_ranks_from_environment"]
+__all__ = [
+    "LocalThreads",
+    "cores_available",
+    "local_ranks_from_environment",
+    "warn_if_oversubscribed",
+]
+
+_WARNED = False
+
+
+def warn_if_oversubscribed(threads: int, local_ranks: int, cores: int) -> None:
+    """Warn once a process where the ranks on this host run torch at more threads than
+    their share of the host's cores. The plugin lowers its own kernels' count, but the
+    model's forward and backward keep torch's. Measured with 2 ranks at torch's default
+    threads (docs/benchmarks.md, the step profile): dense Horovod's step 6-16x its
+    one-thread time on 2 cores and 30x on 16, the sparse step 3-4x and 26x."""
+    global _WARNED
+    share = max(1, cores // local_ranks)
+    if _WARNED or local_ranks <= 1 or threads <= share:
+        return
+    _WARNED = True
+    warnings.warn(
+        f"horovod_sparse: {local_ranks} ranks on this host each run torch at {threads} "
+        f"threads on {cores} cores. The model's forward and backward then fight over the "
+        f"cores (measured with 2 ranks: steps 3-30x slower than at one thread a rank, "
+        f"dense Horovod's too). Call torch.set_num_threads({share}) in each rank, or set "
+        f"OMP_NUM_THREADS={share} as torchrun does.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 class LocalThreads:
@@ -40,9 +70,12 @@ class LocalThreads:
 
     @property
     def threads(self) -> int:
-        """Cores available divided by the ranks on this host, at least 1."""
+        """Cores available divided by the ranks on this host, at least 1. Found at the
+        first use, which also warns once if torch's own count oversubscribes the host."""
         if self._threads is None:
-            self._threads = max(1, cores_available() // max(1, self._local_ranks()))
+            cores, ranks = cores_available(), max(1, self._local_ranks())
+            self._threads = max(1, cores // ranks)
+            warn_if_oversubscribed(torch.get_num_threads(), ranks, cores)
         return self._threads
 
     def scope(self) -> AbstractContextManager[None]:

@@ -3,6 +3,8 @@ cores per local rank while its kernels run, restored after, never raised."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -122,3 +124,30 @@ def test_a_rank_sharing_cores_sleeps_between_polls_and_one_with_cores_leaves_it_
     monkeypatch.setattr(threads_module, "cores_available", lambda: 8)
     assert own.wait(pending) == 7
     assert polls == [] and sleeps == [] and synchronized == [7]
+
+
+def test_an_oversubscribed_host_is_warned_once(monkeypatch):
+    monkeypatch.setattr(threads_module, "_WARNED", False)
+    with pytest.warns(RuntimeWarning, match=r"2 ranks on this host each run torch at 2 "):
+        threads_module.warn_if_oversubscribed(threads=2, local_ranks=2, cores=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        threads_module.warn_if_oversubscribed(threads=2, local_ranks=2, cores=2)  # once
+
+
+@pytest.mark.parametrize(
+    ("threads", "local_ranks", "cores"),
+    [(1, 2, 2), (2, 1, 2), (4, 1, 2), (8, 2, 16), (1, 16, 8)],
+)
+def test_a_host_whose_threads_fit_its_cores_is_not_warned(monkeypatch, threads, local_ranks, cores):
+    monkeypatch.setattr(threads_module, "_WARNED", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        threads_module.warn_if_oversubscribed(threads, local_ranks, cores)
+
+
+def test_the_first_use_of_the_thread_count_checks_the_host(monkeypatch, two_threads):
+    monkeypatch.setattr(threads_module, "_WARNED", False)
+    monkeypatch.setattr(threads_module, "cores_available", lambda: 2)
+    with pytest.warns(RuntimeWarning, match="torch.set_num_threads\\(1\\)"):
+        assert LocalThreads(lambda: 2).threads == 1
