@@ -12,7 +12,6 @@ import torch
 
 from horovod_sparse.common.host_candidates import (
     CANDIDATE_CHUNK,
-    HOST_DTYPES,
     HOST_PASS_THREADS,
     numpy_indices_at_least,
     thread_scratch,
@@ -66,10 +65,8 @@ def _torch_indices_at_least(values: torch.Tensor, threshold: torch.Tensor) -> to
 
 # The pass runs in NumPy at up to this many threads (host_candidates.HOST_PASS_THREADS).
 _NUMPY_CANDIDATE_THREADS = HOST_PASS_THREADS
-_NUMPY_DTYPES = {
-    dtype: np_dtype
-    for dtype, np_dtype in zip((torch.float16, torch.float32, torch.float64), HOST_DTYPES)
-}
+# The dtypes NumPy has (host_candidates.HOST_DTYPES); bfloat16 stays in torch.
+_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
 def _numpy_indices_at_least(values: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
