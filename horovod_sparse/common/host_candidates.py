@@ -26,6 +26,7 @@ __all__ = [
     "local_ranks_from_environment",
     "numpy_indices_at_least",
     "thread_scratch",
+    "threads_per_rank",
 ]
 
 # Floats per chunk of the pass: a chunk's magnitudes (4 MB in fp32) and flags stay in
@@ -50,6 +51,12 @@ def cores_available() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def threads_per_rank(cores: int, local_ranks: int) -> int:
+    """Each of ``local_ranks`` ranks' share of a host's ``cores``, at least 1 (what
+    ``torchrun`` sets for a whole process)."""
+    return max(1, cores // max(1, local_ranks))
 
 
 def local_ranks_from_environment() -> int:

@@ -22,6 +22,7 @@ from horovod_sparse.common.host_candidates import (
     cores_available,
     local_ranks_from_environment,
     numpy_indices_at_least,
+    threads_per_rank,
 )
 
 __all__ = [
@@ -97,7 +98,7 @@ def host_pass_fits(values: tf.Tensor) -> bool:
     if HOST_PASS is None:
         cores = cores_available()
         threads = tf.config.threading.get_intra_op_parallelism_threads() or cores
-        threads = min(threads, max(1, cores // local_ranks_from_environment()))
+        threads = min(threads, threads_per_rank(cores, local_ranks_from_environment()))
         HOST_PASS = threads <= HOST_PASS_THREADS and not tf.config.list_logical_devices("GPU")
     return HOST_PASS
 

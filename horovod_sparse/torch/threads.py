@@ -22,7 +22,11 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
-from horovod_sparse.common.host_candidates import cores_available, local_ranks_from_environment
+from horovod_sparse.common.host_candidates import (
+    cores_available,
+    local_ranks_from_environment,
+    threads_per_rank,
+)
 
 __all__ = [
     "LocalThreads",
@@ -41,7 +45,7 @@ def warn_if_oversubscribed(threads: int, local_ranks: int, cores: int) -> None:
     threads (docs/benchmarks.md, the step profile): dense Horovod's step 6-16x its
     one-thread time on 2 cores and 30x on 16, the sparse step 3-4x and 26x."""
     global _WARNED
-    share = max(1, cores // local_ranks)
+    share = threads_per_rank(cores, local_ranks)
     if _WARNED or local_ranks <= 1 or threads <= share:
         return
     _WARNED = True
@@ -73,8 +77,8 @@ class LocalThreads:
         """Cores available divided by the ranks on this host, at least 1. Found at the
         first use, which also warns once if torch's own count oversubscribes the host."""
         if self._threads is None:
-            cores, ranks = cores_available(), max(1, self._local_ranks())
-            self._threads = max(1, cores // ranks)
+            cores, ranks = cores_available(), self._local_ranks()
+            self._threads = threads_per_rank(cores, ranks)
             warn_if_oversubscribed(torch.get_num_threads(), ranks, cores)
         return self._threads
 
