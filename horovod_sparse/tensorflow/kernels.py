@@ -10,7 +10,7 @@ builds its primitives on them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
@@ -30,8 +30,10 @@ __all__ = [
     "add_scaled_into_slice",
     "bucket_gather",
     "cut_at",
+    "host_kernels",
     "indices_at_least",
     "merge_runs",
+    "on_host",
     "owner_major",
     "scheduled_budget",
     "top_k_mask",
@@ -70,37 +72,55 @@ def indices_at_least(values: tf.Tensor, threshold: tf.Tensor) -> tf.Tensor:
     """
     threshold = tf.cast(threshold, values.dtype)
     if host_pass_fits(values):
-        if tf.executing_eagerly():
-            return tf.convert_to_tensor(_host_pass(np.asarray(values), np.asarray(threshold)))
-        found = tf.numpy_function(_host_pass, [values, threshold], tf.int64, stateful=False)
-        found.set_shape([None])
-        return found
+        return on_host(_host_pass, [values, threshold], [tf.int64])[0]
     inside = tf.logical_and(values < threshold, values > -threshold)
     return tf.where(tf.logical_not(inside))[:, 0]
 
 
-def _host_pass(array: np.ndarray, threshold: np.ndarray) -> np.ndarray:
-    return numpy_indices_at_least(array, float(threshold))
+def _host_pass(array: np.ndarray, threshold: np.ndarray) -> tuple[np.ndarray]:
+    return (numpy_indices_at_least(array, float(threshold)),)
 
 
-# Whether the NumPy pass serves this process (None: not decided yet; tests set it).
+# Whether the NumPy kernels serve this process (None: not decided yet; tests set it).
 HOST_PASS: bool | None = None
 
 
-def host_pass_fits(values: tf.Tensor) -> bool:
-    """Whether :func:`indices_at_least` runs the NumPy pass on ``values``: a dtype NumPy
-    has, and a process with no GPU in TF's view whose kernels run on at most
+def host_kernels() -> bool:
+    """Whether this process runs the NumPy kernels (the candidate pass and the bucket
+    gather): TF sees no GPU and its kernels run on at most
     ``HOST_PASS_THREADS`` threads (TF's intra-op setting, 0 for every core, and the
-    cores available shared by the ranks on this host)."""
+    cores available shared by the ranks on this host). Decided once a process."""
     global HOST_PASS
-    if values.dtype.as_numpy_dtype not in HOST_DTYPES:
-        return False
     if HOST_PASS is None:
         cores = cores_available()
         threads = tf.config.threading.get_intra_op_parallelism_threads() or cores
         threads = min(threads, threads_per_rank(cores, local_ranks_from_environment()))
         HOST_PASS = threads <= HOST_PASS_THREADS and not tf.config.list_logical_devices("GPU")
     return HOST_PASS
+
+
+def host_pass_fits(values: tf.Tensor) -> bool:
+    """Whether the NumPy kernels serve ``values``: a dtype NumPy has (not bfloat16), in
+    a process that runs them (:func:`host_kernels`)."""
+    return values.dtype.as_numpy_dtype in HOST_DTYPES and host_kernels()
+
+
+def on_host(
+    function: Callable[..., tuple[np.ndarray, ...]],
+    inputs: list[tf.Tensor],
+    dtypes: list[tf.DType],
+) -> list[tf.Tensor]:
+    """The 1-D results of ``function`` over NumPy arrays of ``inputs``: eagerly on views
+    of the tensors' memory (``.numpy()`` would copy: 31 ms for 16M floats), in a trace
+    through ``tf.numpy_function``, which holds Python's GIL while it runs and which no
+    XLA compiles."""
+    if tf.executing_eagerly():
+        arrays = function(*(np.asarray(tensor) for tensor in inputs))
+        return [tf.convert_to_tensor(array) for array in arrays]
+    results = tf.numpy_function(function, inputs, dtypes, stateful=False)
+    for result in results:
+        result.set_shape([None])
+    return list(results)
 
 
 def top_k_mask(magnitudes: tf.Tensor, k: Any) -> tf.Tensor:
@@ -161,24 +181,35 @@ def owner_major(sends: list[tuple[tf.Tensor, tf.Tensor]]) -> tuple[tf.Tensor, tf
 
 
 def bucket_gather(values: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
-    """``tf.gather`` from a bucket: with int32 indices where they fit, 3x faster eagerly
-    (168K of 16M floats: 1.0 against 3.1 ms, CPU, one thread); traced, the same."""
+    """``values[indices]`` from a bucket. Where the NumPy kernels serve (see
+    :func:`host_kernels`), ``np.take``: TF's gather pays a copy call per element (168K
+    ascending indices into 16M floats just written, one thread: 1.3 against 5.1 ms
+    eagerly; traced, 1.2 against 3.0-3.6 ms). Elsewhere ``tf.gather`` with int32
+    indices where they fit, 3x faster eagerly than int64 (1.0 against 3.1 ms)."""
+    if host_pass_fits(values):
+        return on_host(_take, [values, indices], [values.dtype])[0]
     numel = values.shape[0]
     if numel is not None and numel < 2**31:
         indices = tf.cast(indices, tf.int32)
     return tf.gather(values, indices)
 
 
+def _take(values: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray]:
+    return (np.take(values, indices),)
+
+
 def unique_inverse(indices: tf.Tensor, runs: Any) -> tuple[tf.Tensor, tf.Tensor]:
     """``Backend.unique_inverse``: the runs merged where their number is known
-    (:func:`merge_runs`)."""
+    (:func:`merge_runs`), else ``tf.unique`` and a sort. (NumPy's stable sort, which
+    merges the runs it finds, was no faster: 4.0 ms for a 16M bucket's 182K received
+    indices in 2 runs against 4.7 ms, and not faster in a step.)"""
     if runs is not None and runs.shape[0] is not None:
         return merge_runs(indices, runs)
     # tf.unique keeps first-seen order; sort the distinct values and remap.
     distinct, position = tf.unique(indices)
     order = tf.argsort(distinct)
     rank_of = tf.math.invert_permutation(order)
-    return tf.gather(distinct, order), tf.gather(rank_of, position)
+    return tf.gather(distinct, order), tf.cast(tf.gather(rank_of, position), tf.int64)
 
 
 # The merge's sparse shape: above every region-local index (they travel as int32).

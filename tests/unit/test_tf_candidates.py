@@ -1,6 +1,7 @@
-"""TF's candidate pass: NumPy on the host (eagerly on a view of the tensor, traced through
-``tf.numpy_function``) or TF's own ops, against the plain definition, and when a process
-runs which."""
+"""TF's host kernels (the candidate pass, the bucket gather): NumPy on
+the host (eagerly on a view of the tensor, traced through ``tf.numpy_function``) or TF's
+own ops, against the plain definition, and when a process runs which; and the owner's
+merge of the ranks' runs."""
 
 from __future__ import annotations
 
@@ -73,3 +74,44 @@ def test_the_host_pass_serves_processes_with_at_most_two_threads(
     # A dtype NumPy lacks: TF's ops, whatever the process.
     monkeypatch.setattr(kernels, "HOST_PASS", True)
     assert kernels.host_pass_fits(tf.zeros([4], tf.bfloat16)) is False
+
+
+@pytest.mark.parametrize("host_pass", [True, False])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_both_gathers_take_the_values_at_the_indices(monkeypatch, host_pass, dtype):
+    monkeypatch.setattr(kernels, "HOST_PASS", host_pass)
+    rng = np.random.default_rng(5)
+    values = rng.standard_normal(CANDIDATE_CHUNK + 777).astype(dtype)
+    values[[3, 10]] = [np.nan, -np.inf]
+    for indices in (
+        np.sort(rng.choice(values.size, 4000, replace=False)),
+        np.array([3, 10, values.size - 1, 0]),  # not ascending, non-finite values
+        np.array([], dtype=np.int64),
+    ):
+        tensor, at = tf.constant(values), tf.constant(indices.astype(np.int64))
+        for got in (
+            kernels.bucket_gather(tensor, at),
+            tf.function(kernels.bucket_gather)(tensor, at),
+        ):
+            assert got.dtype == tensor.dtype
+            np.testing.assert_array_equal(got.numpy(), values[indices])
+        np.testing.assert_array_equal(tensor.numpy(), values)  # the input is left alone
+
+
+@pytest.mark.parametrize("lengths", [(3, 0, 5), (0, 0), (4000, 3000, 5000, 100), (7,)])
+def test_both_merges_give_the_distinct_indices_and_each_rows_position(lengths):
+    rng = np.random.default_rng(sum(lengths))
+    # Each run distinct and ascending (one rank's rows), the runs overlapping.
+    runs = [np.sort(rng.choice(3 * max(lengths) + 1, n, replace=False)) for n in lengths]
+    indices = np.concatenate(runs).astype(np.int64)
+    expected_distinct, expected_position = np.unique(indices, return_inverse=True)
+    known = tf.constant(np.array(lengths, dtype=np.int32))
+    traced = tf.function(kernels.unique_inverse)
+    for distinct, position in (
+        kernels.unique_inverse(tf.constant(indices), known),
+        traced(tf.constant(indices), known),
+        kernels.unique_inverse(tf.constant(indices), None),
+    ):
+        assert (distinct.dtype, position.dtype) == (tf.int64, tf.int64)
+        np.testing.assert_array_equal(distinct.numpy(), expected_distinct)
+        np.testing.assert_array_equal(position.numpy(), expected_position.ravel())
