@@ -3,9 +3,11 @@
 Exact top-k as a mask (:func:`top_k_mask`, the selection kernel), the budget k as a graph
 value while the density decays (:func:`scheduled_budget`), and the
 :class:`~horovod_sparse.common.backend.Cell` in a ``tf.Variable`` (:class:`VariableCell`),
-so a traced step keeps its state, and the owner reduction's merge of the ranks' sorted
-runs (:func:`merge_runs`). :class:`~horovod_sparse.tensorflow.backend.TFBackend`
-builds its primitives on them.
+so a traced step keeps its state, the owner reduction's merge of the ranks' sorted
+runs (:func:`merge_runs`), and the kernels a CPU-only process at one or two threads runs
+in NumPy (:func:`host_kernels`, :func:`on_host`: the candidate pass and the bucket
+gather). :class:`~horovod_sparse.tensorflow.backend.TFBackend` builds its primitives on
+them.
 """
 
 from __future__ import annotations
