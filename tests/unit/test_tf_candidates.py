@@ -1,7 +1,7 @@
-"""TF's host kernels (the candidate pass, the bucket gather): NumPy on
-the host (eagerly on a view of the tensor, traced through ``tf.numpy_function``) or TF's
-own ops, against the plain definition, and when a process runs which; and the owner's
-merge of the ranks' runs."""
+"""TF's host kernels (the candidate pass, the bucket gather): NumPy on the host (eagerly
+on a view of the tensor, traced through ``tf.numpy_function``) or TF's own ops, against
+the plain definition, and when a process runs which; and the owner's merge of the
+ranks' runs."""
 
 from __future__ import annotations
 
