@@ -184,7 +184,7 @@ def owner_major(sends: list[tuple[tf.Tensor, tf.Tensor]]) -> tuple[tf.Tensor, tf
 
 def bucket_gather(values: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
     """``values[indices]`` from a bucket. Where the NumPy kernels serve (see
-    :func:`host_kernels`), ``np.take``: TF's gather pays a copy call per element (168K
+    :func:`host_kernels`), ``np.take``: 2.5-4x faster than TF's gather (168K
     ascending indices into 16M floats just written, one thread: 1.3 against 5.1 ms
     eagerly; traced, 1.2 against 3.0-3.6 ms). Elsewhere ``tf.gather`` with int32
     indices where they fit, 3x faster eagerly than int64 (1.0 against 3.1 ms)."""
