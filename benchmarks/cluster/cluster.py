@@ -48,7 +48,7 @@ class LinkSpec:
         return f"{self.rate}" + (f"+{self.delay_ms:g}ms" if self.delay_ms else "")
 
 
-PRESETS = {"1g": LinkSpec("1gbit"), "10g": LinkSpec("10gbit")}
+PRESETS = {"1g": LinkSpec("1gbit"), "10g": LinkSpec("10gbit"), "25g": LinkSpec("25gbit")}
 
 
 def require_root() -> None:

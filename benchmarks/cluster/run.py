@@ -1,6 +1,6 @@
-"""Dense vs sparse training on an emulated 1 Gbit/s and 10 Gbit/s cluster of 4 ranks.
+"""Dense vs sparse training on an emulated 1, 10 and 25 Gbit/s cluster of 4 ranks.
 
-    sudo -E .venv/bin/python benchmarks/cluster/run.py [--ranks 4] [--presets 1g,10g]
+    sudo -E .venv/bin/python benchmarks/cluster/run.py [--ranks 4] [--presets 1g,10g,25g]
 
 For each link preset: the alpha-beta collective measurements (``collectives.py``) and
 the synthetic benchmark dense (``hvd.DistributedOptimizer``) and sparse (density 0.01).
@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument(
         "--collective-ranks", default="2,3,4", help='sizes for the alpha-beta fit ("": none)'
     )
-    parser.add_argument("--presets", default="1g,10g")
+    parser.add_argument("--presets", default="1g,10g,25g")
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--model", default="wide_mlp")
