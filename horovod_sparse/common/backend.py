@@ -328,11 +328,12 @@ class Backend(Protocol):
         summed splits."""
 
     def cut_at(
-        self, indices: Tensor, values: Tensor, edges: Sequence[int], ordered: bool
+        self, indices: Tensor, values: Tensor, edges: Any, ordered: bool
     ) -> list[tuple[Tensor, Tensor]]:
         """Per part p, the ``(indices - edges[p], values)`` whose index lies in
-        ``[edges[p], edges[p+1])``, indices ascending. ``ordered``: ``indices`` are
-        ascending already; else they are distinct and get sorted."""
+        ``[edges[p], edges[p+1])``, indices ascending. ``edges``: host ints, or (under
+        TF) a graph tensor of them. ``ordered``: ``indices`` are ascending already; else
+        they get sorted (equal indices in no set order)."""
 
     def scatter_into(
         self, numel: int, like: Tensor, indices: Tensor, values: Tensor, out: Any = None

@@ -116,6 +116,11 @@ class SparseConfig:
             of them is selected; ``False`` gives each bucket its own two, launched as
             soon as it is ready (more overlap with backward, a collective's latency
             per bucket).
+        gather_selections: at P = 2, send each rank's selection to both ranks in one
+            all-gather and let each rank apply both owners' global selections
+            (:mod:`~horovod_sparse.common.pair_stages`): one collective a step instead
+            of two, the same bytes, the same result; ``False`` keeps the reduce-scatter
+            and the all-gather. No effect at other world sizes.
         log_every: print one line of the step's figures (density, bytes against dense,
             exchange seconds, refreshes) on the process set's first rank every this many
             steps; 0 prints nothing (the PyTorch and Keras optimizers and the TF tape).
@@ -142,6 +147,7 @@ class SparseConfig:
     refresh_steps: int = 32
     log_every: int = 0
     join_buckets: bool = True
+    gather_selections: bool = True
 
     def __post_init__(self) -> None:
         _check_density(self.density)
@@ -152,6 +158,7 @@ class SparseConfig:
         _check_choice("overlap_allgather", self.overlap_allgather, OVERLAP_SETTINGS)
         _check_choice("momentum_correction", self.momentum_correction, (None, True, False))
         _check_choice("join_buckets", self.join_buckets, (True, False))
+        _check_choice("gather_selections", self.gather_selections, (True, False))
         _check_choice("residual_lookahead", self.residual_lookahead, (None, True, False))
         for knob in ("reestimate_steps", "repartition_steps", "scheduler_steps", "refresh_steps"):
             _check_at_least(knob, getattr(self, knob), 1)

@@ -21,10 +21,11 @@ def row_bytes(value_itemsize: int) -> int:
 
 @dataclass
 class ReduceScatterSent:
-    """An alltoall in flight, and the host-side splits it was sent with."""
+    """An alltoall in flight, and the host-side splits it was sent with (None for the
+    all-gather of the selections at P = 2, ``common/pair_stages.py``)."""
 
     handle: Any
-    send_splits: list[int]
+    send_splits: list[int] | None
 
 
 def spar_reduce_scatter_start(

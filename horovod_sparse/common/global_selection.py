@@ -121,6 +121,10 @@ class ReusedGlobalThreshold:
     the k the key was derived for and this owner's row cap. The decisions read only
     row counts, which the all-gather already brought to the host under PyTorch: no
     added device read.
+
+    At P = 2 (``common/pair_stages.py``) each rank also applies the other owner's
+    selection, so both owners' caps are kept too, by owner, derived alike on every rank
+    from the gathered rows and shared as the key is (``pair_caps``).
     """
 
     def __init__(
@@ -132,9 +136,9 @@ class ReusedGlobalThreshold:
         self.refresh_steps = refresh_steps
         self.band = band
         self.share_floor = share_floor
-        # (key, due, age, k, cap), made at the first call, when the backend and a key
-        # are known.
-        self._cells: tuple[Cell, Cell, Cell, Cell, Cell] | None = None
+        # (key, due, age, k, cap, cap of owner 0, cap of owner 1), made at the first
+        # call, when the backend and a key are known.
+        self._cells: tuple[Cell, ...] | None = None
         # Whether the current step refreshed: a host bool, or a graph bool under TF.
         self.refreshed: Any = True
 
@@ -149,11 +153,12 @@ class ReusedGlobalThreshold:
         checkpoint that tracks variables."""
         if self._cells is None:
             return {}
-        return dict(zip(("key", "due", "age", "k", "cap"), self._cells))
+        return dict(zip(("key", "due", "age", "k", "cap", "cap_owner0", "cap_owner1"), self._cells))
 
-    def _state(self, ops: Backend, keys: Tensor) -> tuple[Cell, Cell, Cell, Cell, Cell]:
+    def _state(self, ops: Backend, keys: Tensor) -> tuple[Cell, ...]:
         if self._cells is None:
-            self._cells = (ops.cell(0, keys), ops.cell(True), ops.cell(0), ops.cell(0), ops.cell(0))
+            key, due = ops.cell(0, keys), ops.cell(True)
+            self._cells = (key, due, *(ops.cell(0) for _ in range(5)))
         return self._cells
 
     @property
@@ -182,7 +187,7 @@ class ReusedGlobalThreshold:
         k the key was derived for (a decaying density). A host bool under PyTorch."""
         if self._cells is None:
             return True
-        _, due, _, derived_for, _ = self._cells
+        _, due, _, derived_for, *_ = self._cells
         return due.get() | (derived_for.get() != k)
 
     def threshold(self, ops: Backend, keys: Tensor, k: Any, exact: Callable[[], Tensor]) -> Tensor:
@@ -190,13 +195,33 @@ class ReusedGlobalThreshold:
         or its share of one grouped with other buckets') when refreshing, else the
         reused key, raised where this owner would keep more than its cap (:meth:`capped`).
         A refresh is never capped: its count is k (more only on ties)."""
-        key, _, age, _, cap = self._state(ops, keys)
+        key, _, age, _, cap, *_ = self._state(ops, keys)
         self.refreshed = self.due_for(k)
         chosen = ops.cond(
             self.refreshed, exact, lambda: self.capped(ops, keys, key.get(), cap.get())
         )
         # A refresh restarts the count of steps since the last one (0 * age: the
         # count's own type, a host int or an int64 variable).
+        age.set(ops.cond(self.refreshed, lambda: 0 * age.get(), age.get))
+        return chosen
+
+    def pair_thresholds(
+        self, ops: Backend, keys: Sequence[Tensor], k: Any, exact: Callable[[], Tensor]
+    ) -> list[Tensor]:
+        """:meth:`threshold` of both owners at P = 2 on one rank: ``keys`` by owner, each
+        capped by that owner's cap (``pair_caps``) on a reuse step; ``exact()`` once."""
+        cells = self._state(ops, keys[0])
+        key, age, caps = cells[0], cells[2], cells[5:]
+        self.refreshed = self.due_for(k)
+        shared = ops.cond(self.refreshed, exact, key.get)
+
+        def owner_threshold(owner_keys: Tensor, cap: Cell) -> Tensor:
+            def reused() -> Tensor:
+                return self.capped(ops, owner_keys, shared, cap.get())
+
+            return ops.cond(self.refreshed, lambda: shared, reused)
+
+        chosen = [owner_threshold(owner_keys, cap) for owner_keys, cap in zip(keys, caps)]
         age.set(ops.cond(self.refreshed, lambda: 0 * age.get(), age.get))
         return chosen
 
@@ -210,12 +235,15 @@ class ReusedGlobalThreshold:
             lambda: threshold,
         )
 
-    def observe(self, ops: Backend, gathered: Tensor, k: Any, own_rows: Any) -> None:
+    def observe(
+        self, ops: Backend, gathered: Tensor, k: Any, own_rows: Any, rank: int | None = None
+    ) -> None:
         """After the all-gather: the next threshold, whether the next step refreshes and
         this owner's next row cap, from this step's gathered values (identical on every
-        rank) and ``own_rows``, how many of them this owner sent."""
+        rank) and ``own_rows``, how many of them this owner sent. ``rank``: this owner's
+        rank at P = 2, where both owners' caps (``pair_caps``) are derived too."""
         assert self._cells is not None, "observe follows threshold()"
-        key, due, age, derived_for, cap = self._cells
+        key, due, age, derived_for, cap, *pair_caps = self._cells
         derived_for.set(k)
         count = ops.num_rows(gathered)
         # ceil(band[1] * k * (own_rows + 1) / (shared + 1)) in integers (host ints, or
@@ -226,7 +254,15 @@ class ReusedGlobalThreshold:
         shared = ops.cond(count < floor, lambda: 0 * count + floor, lambda: count)
         margin_num, margin_den = self.band[1].as_integer_ratio()
         share_den = margin_den * (shared + 1)
-        cap.set((margin_num * k * (own_rows + 1) + share_den - 1) // share_den)
+
+        def cap_of(rows: Any) -> Any:
+            return (margin_num * k * (rows + 1) + share_den - 1) // share_den
+
+        cap.set(cap_of(own_rows))
+        if rank is not None:
+            rows = [own_rows, count - own_rows]  # this owner's, the other's
+            pair_caps[rank].set(cap_of(rows[0]))
+            pair_caps[1 - rank].set(cap_of(rows[1]))
         steps = age.get() + 1
         age.set(steps)
 
@@ -264,10 +300,17 @@ class ReusedGlobalThreshold:
         """What a checkpoint needs to continue with the same thresholds (host numbers:
         the key is read from the device, once per checkpoint)."""
         if self._cells is None:
-            return {"key": None, "due": True, "age": 0, "k": 0, "cap": 0}
-        key, due, age, k, cap = (cell.get() for cell in self._cells)
+            return {"key": None, "due": True, "age": 0, "k": 0, "cap": 0, "pair_caps": [0, 0]}
+        key, due, age, k, cap, *pair_caps = (cell.get() for cell in self._cells)
         host_key = int(ops.to_host_number(key))
-        return {"key": host_key, "due": bool(due), "age": int(age), "k": int(k), "cap": int(cap)}
+        return {
+            "key": host_key,
+            "due": bool(due),
+            "age": int(age),
+            "k": int(k),
+            "cap": int(cap),
+            "pair_caps": [int(c) for c in pair_caps],
+        }
 
     def load_state_dict(self, ops: Backend, state: dict[str, Any], like: Tensor) -> None:
         """Restore :meth:`state_dict`; ``like``: an int32 tensor on the keys' device."""
@@ -276,7 +319,7 @@ class ReusedGlobalThreshold:
             return
         key = ops.cell(int(state["key"]), like)
         if self._cells is None:
-            self._cells = (key, ops.cell(True), ops.cell(0), ops.cell(0), ops.cell(0))
+            self._cells = (key, ops.cell(True), *(ops.cell(0) for _ in range(5)))
         else:
             self._cells[0].set(key.get())
         self._cells[1].set(bool(state["due"]))
@@ -285,3 +328,8 @@ class ReusedGlobalThreshold:
         # No cap of this owner's own (a checkpoint from before the share cap, or a rank
         # adopting another's state before its first step): k rows, as it then was.
         self._cells[4].set(int(state.get("cap") or state.get("k", 0)))
+        # Both owners' caps at P = 2, shared like the key; none saved (a checkpoint from
+        # before them): k rows each.
+        k_rows = int(state.get("k", 0))
+        for cell, saved in zip(self._cells[5:], state.get("pair_caps", [k_rows, k_rows])):
+            cell.set(int(saved))

@@ -18,7 +18,7 @@ from typing import Any
 
 from horovod_sparse.common.backend import Backend, Tensor
 from horovod_sparse.common.fusion import FusedPart
-from horovod_sparse.common.inflight import GatherInFlight, OwnedSums, ScatterInFlight
+from horovod_sparse.common.inflight import GatherInFlight, KeptHere, OwnedSums, ScatterInFlight
 from horovod_sparse.common.joined import JoinedPart
 from horovod_sparse.common.pipeline import BucketReducer
 from horovod_sparse.common.plan import Reducer
@@ -55,15 +55,20 @@ class BucketHandle:
 
     @property
     def collective(self) -> Any:
-        """The framework's handle of the collective in flight."""
+        """The framework's handle of the collective in flight (None before a shared one
+        is launched, and when no collective is left: the rows kept here, P = 2)."""
         stage = self.stage
         handle = stage.sent.handle if isinstance(stage, ScatterInFlight) else stage.handle
         if isinstance(handle, (FusedPart, JoinedPart)):
             return handle.pending  # the shared collective (None until it is launched)
+        if isinstance(handle, KeptHere):
+            return None
         return handle
 
     def poll(self) -> bool:
         """Whether the collective in flight has finished; never blocks."""
+        if isinstance(self.stage, GatherInFlight) and isinstance(self.stage.handle, KeptHere):
+            return True  # derived on this rank (P = 2): nothing in flight
         collective = self.collective
         return collective is not None and self.ops.poll(collective)
 

@@ -89,6 +89,7 @@ OPTION_SUPPORT: Mapping[str, frozenset[Frontend]] = MappingProxyType(
         "log_every": _BUCKETED,
         # Several buckets in one engine: DDP hands each bucket to the hook on its own.
         "join_buckets": _BUCKETED,
+        "gather_selections": _EVERY,
     }
 )
 

@@ -21,17 +21,19 @@ from horovod_sparse.common.exchange import (
     spar_reduce_scatter_start,
 )
 from horovod_sparse.common.global_selection import global_threshold_key
-from horovod_sparse.common.inflight import GatherInFlight, OwnedSums, ScatterInFlight
+from horovod_sparse.common.inflight import GatherInFlight, KeptHere, OwnedSums, ScatterInFlight
 from horovod_sparse.common.joined import JoinedPart
+from horovod_sparse.common.pair_stages import PairStages
 from horovod_sparse.common.reduction import owner_reduce
-from horovod_sparse.common.sparse_bucket import SparseBucket
 from horovod_sparse.common.step import StepRecord
 
 __all__ = ["SparseStages"]
 
 
-class SparseStages(SparseBucket):
-    """The sparse path of a bucket's step (state in :class:`SparseBucket`)."""
+class SparseStages(PairStages):
+    """The sparse path of a bucket's step (state in
+    :class:`~horovod_sparse.common.sparse_bucket.SparseBucket`; at P = 2 in one
+    collective: :class:`~horovod_sparse.common.pair_stages.PairStages`)."""
 
     def start_sparse(self, accumulator: Tensor, began: Any) -> ScatterInFlight:
         """Local selection and the reduce-scatter launch, from the accumulator (the
@@ -57,22 +59,28 @@ class SparseStages(SparseBucket):
         selected = ops.clock(wire)
         # Step 4: partition, the boundaries every rank holds alike (a balanced partition
         # moves them after an all-gather: see finish_sparse()).
-        # Step 5: Spar-Reduce-Scatter, alone or in the step's joined alltoall.
-        if self.joined is not None:
-            sent = self.joined.send_scatter(self, indices, wire)
+        # Step 5: Spar-Reduce-Scatter, alone or in the step's joined alltoall; at P = 2
+        # the selection to both ranks instead (pair_stages.py).
+        if self.pairs:
+            sent = self.send_to_both(indices, wire)
+            rows_sent = ops.num_rows(indices)
         else:
-            sent = spar_reduce_scatter_start(
-                ops, indices, wire, self.boundaries, self.name, self.process_set
-            )
+            if self.joined is not None:
+                sent = self.joined.send_scatter(self, indices, wire)
+            else:
+                sent = spar_reduce_scatter_start(
+                    ops, indices, wire, self.boundaries, self.name, self.process_set
+                )
+            rows_sent = ops.sum_except(sent.send_splits, self.rank)
         self.last_record = StepRecord(
             seconds_select=selected - began,
             seconds_local=selected - began,
             seconds_exchange=ops.clock() - selected,
             send_splits=sent.send_splits,
-            rows_sent=ops.sum_except(sent.send_splits, self.rank),
+            rows_sent=rows_sent,
             row_bytes=row_bytes(ops.itemsize(wire)),
         )
-        return ScatterInFlight(sent, wire, ctx)
+        return ScatterInFlight(sent, wire, ctx, to_everyone=self.pairs)
 
     def receive(self, inflight: ScatterInFlight) -> OwnedSums:
         """Wait for the reduce-scatter; step 6a: the owner's sums. Sends nothing more."""
@@ -83,7 +91,14 @@ class SparseStages(SparseBucket):
         def decode(wire: Tensor) -> Tensor:
             return ops.decompress(wire, inflight.compression_ctx)
 
-        if isinstance(handle, JoinedPart):
+        other = None
+        if inflight.to_everyone:
+            # Step 6a for both owners' regions, from both ranks' selections (P = 2).
+            indices, wire_values = self.both_selections(inflight)
+            received = ops.clock(wire_values)
+            record.rows_received = ops.num_rows(indices) - record.rows_sent
+            (region_indices, sums), other = self.sum_both(indices, decode(wire_values))
+        elif isinstance(handle, JoinedPart):
             # Step 6a for every member of the joined alltoall at once (the first asks).
             region_indices, sums, record.rows_received = handle.owned(self.residual, decode)
             received = ops.clock(sums)
@@ -97,7 +112,7 @@ class SparseStages(SparseBucket):
                 ops, rows, inflight.wire_like, self.residual, decode, recv_splits
             )
         keys = ops.magnitude_keys(sums)
-        return OwnedSums(region_indices, sums, keys, began, received, ops.clock(keys))
+        return OwnedSums(region_indices, sums, keys, began, received, ops.clock(keys), other)
 
     def refresh_due(self, owned: OwnedSums | None = None) -> Any:
         """Whether this step's global threshold comes from the exact radix select: every
@@ -125,6 +140,8 @@ class SparseStages(SparseBucket):
         Keeps: the reduced entries of this owner's region below the global threshold,
         added to ``residual`` (global residual collection: no mass is dropped).
         """
+        if owned.other is not None:
+            return self.gather_both(owned, exact_key)  # P = 2: no all-gather
         ops, record, keys = self.ops, self.last_record, owned.keys
         lo = self.boundaries[self.rank]  # start of this owner's region
 
@@ -177,7 +194,9 @@ class SparseStages(SparseBucket):
         into a dense buffer of length n (zeros elsewhere), ``out`` when given."""
         ops, record = self.ops, self.last_record
         began = ops.clock()
-        if isinstance(inflight.handle, JoinedPart):
+        if isinstance(inflight.handle, KeptHere):  # P = 2: derived here, no all-gather
+            indices, wire_values = inflight.handle.indices, inflight.handle.wire_values
+        elif isinstance(inflight.handle, JoinedPart):
             indices, wire_values = inflight.handle.gathered()
         else:
             indices, wire_values = ops.unpack_rows(ops.wait(inflight.handle), inflight.wire_like)
@@ -185,7 +204,8 @@ class SparseStages(SparseBucket):
         values = ops.decompress(wire_values, inflight.compression_ctx)
         if self.reused_threshold is not None:
             # Every rank gathered the same rows: each derives the next threshold alike.
-            self.reused_threshold.observe(ops, values, self.k, inflight.own_rows)
+            pair_rank = self.rank if self.world_size == 2 else None  # both owners' caps
+            self.reused_threshold.observe(ops, values, self.k, inflight.own_rows, pair_rank)
         if postscale != 1.0:
             values = ops.scale(values, postscale)  # scale the k kept values, not all n
         result = ops.scatter_into(self.numel, like, indices, values, out)

@@ -335,9 +335,9 @@ class TFBackend(HorovodPrimitives):
         return kernels.owner_major(list(sends))
 
     def cut_at(
-        self, indices: tf.Tensor, values: tf.Tensor, edges: Sequence[int], ordered: bool
+        self, indices: tf.Tensor, values: tf.Tensor, edges: Any, ordered: bool
     ) -> list[tuple[tf.Tensor, tf.Tensor]]:
-        return kernels.cut_at(indices, values, list(edges), ordered)
+        return kernels.cut_at(indices, values, edges, ordered)
 
     def count_in_range(self, indices: tf.Tensor, lo: int, hi: int) -> tf.Tensor:
         inside = tf.logical_and(indices >= lo, indices < hi)

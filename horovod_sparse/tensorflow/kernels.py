@@ -255,14 +255,16 @@ def _tagged(indices: tf.Tensor, tag: int) -> tf.SparseTensor:
 
 
 def cut_at(
-    indices: tf.Tensor, values: tf.Tensor, edges: list[int], ordered: bool
+    indices: tf.Tensor, values: tf.Tensor, edges: Any, ordered: bool
 ) -> list[tuple[tf.Tensor, tf.Tensor]]:
-    """Entries per part ``[edges[p], edges[p+1])``, ascending (``Backend.cut_at``)."""
+    """Entries per part ``[edges[p], edges[p+1])``, ascending (``Backend.cut_at``);
+    ``edges``: host ints, or an int64 tensor of them (a partition's boundaries)."""
     if not ordered:
         order = tf.argsort(indices)
         indices, values = tf.gather(indices, order), tf.gather(values, order)
-    positions = tf.searchsorted(indices, tf.constant(edges, tf.int64), out_type=tf.int32)
+    edges = tf.cast(edges, tf.int64)
+    positions = tf.searchsorted(indices, edges, out_type=tf.int32)
     sizes = positions[1:] - positions[:-1]
-    parts = len(edges) - 1
-    cut = zip(tf.split(indices, sizes, num=parts), tf.split(values, sizes, num=parts), edges)
-    return [(part - start, part_values) for part, part_values, start in cut]
+    parts = int(edges.shape[0]) - 1
+    cut = zip(tf.split(indices, sizes, num=parts), tf.split(values, sizes, num=parts))
+    return [(part - edges[p], part_values) for p, (part, part_values) in enumerate(cut)]

@@ -12,6 +12,10 @@ from tests.parallel.test_options_torch import skewed_grad
 
 hvd.init()
 
+# The alltoalls of a sparse step: none at P = 2, where one all-gather of both ranks'
+# selections takes the place of the alltoall and the all-gather (common/pair_stages.py).
+SCATTERS = 0 if hvd.size() == 2 else 1
+
 COLLECTIVES = (
     "alltoall_async",
     "allgather_async",
@@ -87,7 +91,7 @@ def test_a_reused_step_is_one_alltoall_and_one_allgather(counted, partition):
     assert agree(refreshes)
     for refreshed, issued in zip(refreshes, per_step):
         # A balanced partition re-cuts from the gathered rows: no collective of its own.
-        assert issued["alltoall_async"] == 1 and issued["allgather_async"] == 1, issued
+        assert issued["alltoall_async"] == SCATTERS and issued["allgather_async"] == 1, issued
         assert issued["allreduce_sum_async"] == 4 * refreshed, issued
         assert issued["allreduce_sum_inplace_async"] == 0, issued
 
@@ -180,7 +184,7 @@ def test_buckets_refreshing_together_share_four_allreduces(counted, overlap, glo
         issued = {kind: counted[kind] - start[kind] for kind in COLLECTIVES}
         refreshing = opt.stats().global_refreshes if not overlap else 0
         # The three share one alltoall and one allgather (common/joined.py).
-        assert issued["alltoall_async"] == 1 and issued["allgather_async"] == 1, issued
+        assert issued["alltoall_async"] == SCATTERS and issued["allgather_async"] == 1, issued
         assert issued["allreduce_sum_async"] in (0, 4), (step, issued)
         refreshes.append(issued["allreduce_sum_async"] // 4)
         if global_selection == "exact":

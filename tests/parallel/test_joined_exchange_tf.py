@@ -16,6 +16,7 @@ import horovod_sparse.tensorflow as hvds
 import horovod_sparse.tensorflow.keras as hvds_keras
 from tests.parallel.test_tensorflow import (  # noqa: F401
     COLLECTIVES,
+    SCATTERS,
     assert_identical,
     assert_mass_kept,
     by_bucket,
@@ -36,7 +37,7 @@ def grads_of(step: int, shapes=SHAPES) -> list[tf.Tensor]:
     return [tf.constant(rng.standard_normal(shape).astype(np.float32)) for shape in shapes]
 
 
-def tape_step(name: str, join: bool, shapes=SHAPES):
+def tape_step(name: str, shapes=SHAPES, **options):
     """A tape step whose gradients are the given tensors exactly (d/ds sum(s * g) = g)."""
     sources = [tf.Variable(tf.zeros(shape)) for shape in shapes]
 
@@ -44,11 +45,27 @@ def tape_step(name: str, join: bool, shapes=SHAPES):
         with tf.GradientTape() as tape:
             loss = tf.add_n([tf.reduce_sum(s * g) for s, g in zip(sources, grads)])
         dtape = hvds.DistributedGradientTape(
-            tape, name=name, density=0.01, fusion_threshold_bytes=BUCKET_BYTES, join_buckets=join
+            tape, name=name, density=0.01, fusion_threshold_bytes=BUCKET_BYTES, **options
         )
         return dtape.gradient(loss, sources)
 
     return step
+
+
+def assert_same_either_way(option: str) -> None:
+    """Eight tape steps of 5 sparse buckets with ``option`` on and off: the gradients
+    and residuals bit for bit."""
+    outs = {}
+    for on in (True, False):
+        name = f"same.{option}.{on}"
+        step_fn = tape_step(name, FEWER, **{option: on})
+        outs[on] = [step_fn(*grads_of(step, FEWER)) for step in range(8)]
+        outs[on, "residuals"] = residuals_by_bucket(tape_reducer(name))
+    for ours, theirs in zip(outs[True], outs[False]):
+        for a, b in zip(ours, theirs):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for bucket, residual in outs[True, "residuals"].items():
+        np.testing.assert_array_equal(residual, outs[False, "residuals"][bucket])
 
 
 def mass_kept_in_all(reducer, before, grads, out, tag):
@@ -72,7 +89,7 @@ def test_a_reused_step_of_16_buckets_is_one_alltoall_and_one_allgather(
     the_mass`` below and ``test_tensorflow.py::test_buckets_refreshing_together_share_
     four_allreduces[tf_function-*]``."""
     name = "joined.count"
-    step_fn = tape_step(name, join=True)
+    step_fn = tape_step(name, join_buckets=True)
     before, reused, refreshed = None, 0, 0
     for step in range(10):
         grads = grads_of(step)
@@ -85,7 +102,10 @@ def test_a_reused_step_of_16_buckets_is_one_alltoall_and_one_allgather(
             before = {
                 bucket: np.zeros_like(flat) for bucket, flat in by_bucket(reducer, grads).items()
             }
-        assert issued["alltoall_async"] == 1 and issued["allgather_async"] == 1, (step, issued)
+        assert issued["alltoall_async"] == SCATTERS and issued["allgather_async"] == 1, (
+            step,
+            issued,
+        )
         refreshes = reducer.stats().global_refreshes
         if refreshes == 0:
             reused += 1
@@ -100,17 +120,7 @@ def test_a_reused_step_of_16_buckets_is_one_alltoall_and_one_allgather(
 
 
 def test_joined_equals_one_exchange_per_bucket_bitwise():
-    outs = {}
-    for join in (True, False):
-        name = f"joined.same.{join}"
-        step_fn = tape_step(name, join, FEWER)
-        outs[join] = [step_fn(*grads_of(step, FEWER)) for step in range(8)]
-        outs[join, "residuals"] = residuals_by_bucket(tape_reducer(name))
-    for joined, alone in zip(outs[True], outs[False]):
-        for a, b in zip(joined, alone):
-            np.testing.assert_array_equal(a.numpy(), b.numpy())
-    for bucket, residual in outs[True, "residuals"].items():
-        np.testing.assert_array_equal(residual, outs[False, "residuals"][bucket])
+    assert_same_either_way("join_buckets")
 
 
 class MassCheck(keras.callbacks.Callback):
@@ -134,7 +144,10 @@ class MassCheck(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         issued = {kind: int(c.numpy()) - self.start[kind] for kind, c in self.counts.items()}
-        assert issued["alltoall_async"] == 1 and issued["allgather_async"] == 1, (batch, issued)
+        assert issued["alltoall_async"] == SCATTERS and issued["allgather_async"] == 1, (
+            batch,
+            issued,
+        )
         variables = self.model.trainable_variables
         applied = [w - v.numpy().astype(np.float64) for w, v in zip(self.weights, variables)]
         reducer = self.model.optimizer._gradient_reducer

@@ -18,6 +18,10 @@ from horovod_sparse.common.config import SparseConfig, budget
 from tests.reference import reference_step, uniform_boundaries
 
 hvd.init()
+
+# The alltoalls of a sparse step: none at P = 2, where one all-gather of both ranks'
+# selections takes the place of the alltoall and the all-gather (common/pair_stages.py).
+SCATTERS = 0 if hvd.size() == 2 else 1
 tf.config.threading.set_inter_op_parallelism_threads(2)
 
 
@@ -276,7 +280,7 @@ def test_a_reused_step_is_one_alltoall_and_one_allgather(graph, collective_count
         issued = {kind: int(c.numpy()) - start[kind] for kind, c in collective_counts.items()}
         refreshed = hvds.stats(name).global_refreshes
         refreshes.append(refreshed)
-        assert issued["alltoall_async"] == 1 and issued["allgather_async"] == 1, issued
+        assert issued["alltoall_async"] == SCATTERS and issued["allgather_async"] == 1, issued
         assert issued["allreduce_sum_async"] == 4 * refreshed, (step, issued)
         # Invariant: no mass is lost, reused threshold or not.
         after = hvds.residual_variables()[name]
@@ -698,7 +702,7 @@ def test_buckets_refreshing_together_share_four_allreduces(
         refreshes.append(refreshed)
         assert reducer.stats().sparse_buckets == 3
         # The dense bucket's allreduce, plus 4 for the sparse ones on a refresh step.
-        assert issued["alltoall_async"] == 1 and issued["allgather_async"] == 1, issued
+        assert issued["alltoall_async"] == SCATTERS and issued["allgather_async"] == 1, issued
         assert issued["allreduce_sum_async"] == 1 + (4 if refreshed else 0), (step, issued)
         if before is None:
             before = {n: np.zeros_like(r) for n, r in residuals_by_bucket(reducer).items()}

@@ -56,6 +56,7 @@ AWAY_FROM_DEFAULT: dict[str, Any] = {
     "refresh_steps": 8,
     "log_every": 5,
     "join_buckets": False,
+    "gather_selections": False,
 }
 OPTIONS = sorted(OPTION_NAMES)
 
