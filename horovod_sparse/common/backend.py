@@ -273,9 +273,9 @@ class Backend(Protocol):
 
     def unique_inverse(self, indices: Tensor, runs: Any = None) -> tuple[Tensor, Tensor]:
         """``(distinct values ascending, position of each input in them)``. ``runs``:
-        None, or the lengths of the consecutive runs ``indices`` is made of, each of
-        distinct ascending values (one per sending rank), which may be merged rather
-        than sorted."""
+        None, or the lengths of the consecutive runs ``indices`` is made of (a tensor
+        or a list of counts), each of distinct ascending values (one per sending rank),
+        which may be merged rather than sorted."""
 
     # ---- value compression (Horovod ``Compression`` classes)
     def compress(self, values: Tensor, compression: Any) -> tuple[Tensor, Any, Any]:

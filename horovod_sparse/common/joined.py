@@ -60,6 +60,13 @@ class JoinedPart:
         """This member's all-gathered rows: ``(bucket-local indices, wire values)``."""
         return self.exchange.gathered(self.member)
 
+    def summed(
+        self, like: Tensor, decode: Callable[[Tensor], Tensor]
+    ) -> tuple[Tensor, Tensor, Any]:
+        """At P = 2, both ranks' selected rows of this member summed: ``(distinct
+        bucket-local indices, sums, rows the other rank sent)``."""
+        return self.exchange.summed(self.member, like, decode)
+
 
 class JoinedExchange:
     """The sparse buckets of one step that share one alltoall and one allgather.
@@ -89,6 +96,9 @@ class JoinedExchange:
         self.gather_handle: Any = None
         self._owned: list[tuple[Tensor, Tensor, Any]] | None = None
         self._gathered: list[tuple[Tensor, Tensor]] | None = None
+        self._kept_rows: dict[int, Any] = {}  # rows a member hands to the allgather
+        self._summed: list[tuple[Tensor, Tensor, Any]] | None = None
+        self._own_histogram: Tensor = None  # this rank's allgather rows per member (P = 2)
 
     def _base(self, member: SparseBucket) -> int:
         return self._position[id(member)] * self.stride
@@ -149,7 +159,15 @@ class JoinedExchange:
     def send_gather(self, member: SparseBucket, bucket_indices: Tensor, wire: Tensor) -> JoinedPart:
         """Hand in ``member``'s globally kept rows; the last launches the allgather."""
         position = self._position[id(member)]
-        self._kept[position] = self.ops.pack_rows(bucket_indices, -self._base(member), wire)
+        ops = self.ops
+        self._kept[position] = ops.pack_rows(bucket_indices, -self._base(member), wire)
+        self._kept_rows[position] = ops.num_rows(bucket_indices)
+        if member.world_size == 2:  # summed() counts the other rank's rows per member
+            joined_indices = ops.shift(bucket_indices, self._base(member))
+            mine = ops.position_histogram(joined_indices, self.edges[-1], len(self.members))
+            self._own_histogram = (
+                mine if self._own_histogram is None else self._own_histogram + mine
+            )
         self._wire_like = wire
         self._gather_waits.discard(position)
         self._launch_gather()
@@ -171,6 +189,31 @@ class JoinedExchange:
             # Each rank's rows come in member order; across ranks they interleave.
             self._gathered = ops.cut_at(indices, wire_values, self.edges, ordered=False)
         return self._gathered[self._position[id(member)]]
+
+    def summed(
+        self, member: SparseBucket, like: Tensor, decode: Callable[[Tensor], Tensor]
+    ) -> tuple[Tensor, Tensor, Any]:
+        """At P = 2 (``common/pair_stages.py``), where the allgather carries every
+        member's selected rows: wait for it (once for all members), sum the two ranks'
+        rows and cut the sums per member."""
+        if self._summed is None:
+            self._check_launched(self.gather_handle, self._gather_waits, "all-gather")
+            ops = self.ops
+            indices, wire_values = ops.unpack_rows(ops.wait(self.gather_handle), self._wire_like)
+            # Each rank's rows ascend (member by member, each at its base): two runs,
+            # in rank order, merged rather than sorted.
+            own = sum(self._kept_rows.values())
+            other = ops.num_rows(indices) - own
+            runs = [own, other] if member.rank == 0 else [other, own]
+            # Rows per member from the other rank, for the records: a histogram of all
+            # rows by member, less this rank's.
+            everyone = ops.position_histogram(indices, self.edges[-1], len(self.members))
+            received = everyone - self._own_histogram
+            counts = [received[m] for m in range(len(self.members))]
+            distinct, sums = reduce_rows(ops, indices, decode(wire_values), like, runs)
+            parts = ops.cut_at(distinct, sums, self.edges, ordered=True)
+            self._summed = [(idx, part_sums, n) for (idx, part_sums), n in zip(parts, counts)]
+        return self._summed[self._position[id(member)]]
 
     def _check_launched(self, handle: Any, waits: set[int], what: str) -> None:
         if handle is None:

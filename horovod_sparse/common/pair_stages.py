@@ -20,7 +20,7 @@ other owner keeps its own.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from horovod_sparse.common.backend import Tensor
 from horovod_sparse.common.exchange import ReduceScatterSent
@@ -51,21 +51,24 @@ class PairStages(SparseBucket):
         handle = ops.allgather_async(rows, f"{self.name}.selected", self.process_set)
         return ReduceScatterSent(handle, None)
 
-    def both_selections(self, inflight: ScatterInFlight) -> tuple[Tensor, Tensor]:
-        """Wait for both ranks' selected rows: ``(bucket-local indices, wire values)``."""
-        handle = inflight.sent.handle
+    def summed_from_both(
+        self, inflight: ScatterInFlight, decode: Callable[[Tensor], Tensor]
+    ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor], Any]:
+        """Wait for both ranks' selections and sum each owner's region as that owner
+        does: ``(this owner's, the other's)``, each ``(distinct region-local indices,
+        sums)``, and the rows the other rank sent."""
+        ops, handle = self.ops, inflight.sent.handle
         if isinstance(handle, JoinedPart):
-            return handle.gathered()
-        return self.ops.unpack_rows(self.ops.wait(handle), inflight.wire_like)
-
-    def sum_both(
-        self, indices: Tensor, values: Tensor
-    ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-        """Both owners' sums, as each owner reduces its region: ``(this owner's, the
-        other's)``, each ``(distinct region-local indices, sums)``."""
-        distinct, sums = reduce_rows(self.ops, indices, values, self.residual)
-        regions = self.ops.cut_at(distinct, sums, self.boundaries, ordered=True)
-        return regions[self.rank], regions[1 - self.rank]
+            distinct, sums, received = handle.summed(self.residual, decode)
+        else:
+            indices, wire_values = ops.unpack_rows(ops.wait(handle), inflight.wire_like)
+            # Each rank's rows ascend: two runs, in rank order, merged rather than sorted.
+            own = self.last_record.rows_sent
+            received = ops.num_rows(indices) - own
+            runs = [own, received] if self.rank == 0 else [received, own]
+            distinct, sums = reduce_rows(ops, indices, decode(wire_values), self.residual, runs)
+        regions = ops.cut_at(distinct, sums, self.boundaries, ordered=True)
+        return regions[self.rank], regions[1 - self.rank], received
 
     def gather_both(self, owned: OwnedSums, exact_key: Tensor | None) -> GatherInFlight:
         """Both owners' global selections on this rank; the kept rows of both, as the

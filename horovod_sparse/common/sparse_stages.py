@@ -94,10 +94,10 @@ class SparseStages(PairStages):
         other = None
         if inflight.to_everyone:
             # Step 6a for both owners' regions, from both ranks' selections (P = 2).
-            indices, wire_values = self.both_selections(inflight)
-            received = ops.clock(wire_values)
-            record.rows_received = ops.num_rows(indices) - record.rows_sent
-            (region_indices, sums), other = self.sum_both(indices, decode(wire_values))
+            (region_indices, sums), other, record.rows_received = self.summed_from_both(
+                inflight, decode
+            )
+            received = ops.clock(sums)
         elif isinstance(handle, JoinedPart):
             # Step 6a for every member of the joined alltoall at once (the first asks).
             region_indices, sums, record.rows_received = handle.owned(self.residual, decode)

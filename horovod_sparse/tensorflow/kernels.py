@@ -205,6 +205,8 @@ def unique_inverse(indices: tf.Tensor, runs: Any) -> tuple[tf.Tensor, tf.Tensor]
     (:func:`merge_runs`), else ``tf.unique`` and a sort. (NumPy's stable sort, which
     merges the runs it finds, was no faster: 4.0 ms for a 16M bucket's 182K received
     indices in 2 runs against 4.7 ms, and not faster in a step.)"""
+    if isinstance(runs, (list, tuple)):  # counts, host ints or scalars
+        runs = tf.stack([tf.cast(count, tf.int64) for count in runs])
     if runs is not None and runs.shape[0] is not None:
         return merge_runs(indices, runs)
     # tf.unique keeps first-seen order; sort the distinct values and remap.
