@@ -96,13 +96,13 @@ def main() -> None:
         else:
             s = optimizer.stats()
             sent, received = s.bytes_sent, s.bytes_received
-            # One alltoall and one allgather for all sparse buckets (join_buckets), 4
-            # histogram allreduces on a step where a threshold refreshes, one allreduce
-            # for the dense buckets.
+            # One alltoall and one allgather for all sparse buckets (join_buckets; at
+            # P = 2 one allgather, gather_selections), 4 histogram allreduces on a step
+            # where a threshold refreshes, one allreduce for the dense buckets.
             refresh = 4 if s.global_refreshes else 0
             refreshed.append(s.global_refreshes > 0)
             kept.append(s.selected - (numel - sparse_numel))
-            sparse = 2 if s.sparse_buckets else 0
+            sparse = (1 if hvd.size() == 2 else 2) if s.sparse_buckets else 0
             steps = ring * (sparse + 2 * refresh + (2 if s.dense_buckets else 0))
         moved.append(sent + received)
         sent_bytes.append(sent)

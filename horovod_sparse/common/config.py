@@ -119,7 +119,7 @@ class SparseConfig:
         gather_selections: at P = 2, send each rank's selection to both ranks in one
             all-gather and let each rank apply both owners' global selections
             (:mod:`~horovod_sparse.common.pair_stages`): one collective a step instead
-            of two, the same bytes, the same result; ``False`` keeps the reduce-scatter
+            of two, about the same bytes, the same result; ``False`` keeps the reduce-scatter
             and the all-gather. No effect at other world sizes.
         log_every: print one line of the step's figures (density, bytes against dense,
             exchange seconds, refreshes) on the process set's first rank every this many
