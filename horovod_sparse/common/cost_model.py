@@ -9,7 +9,9 @@ process set itself) and P ranks:
 * dense:  ``2(P-1) alpha + 2 (P-1)/P * n * s * beta`` (s: bytes per value);
 * sparse: ``c * n`` (measured local work) plus the alltoall ``(P-1) alpha + k r beta``,
   four histogram allreduces ``4 (2(P-1) alpha + 2 (P-1)/P * 1 KiB * beta)`` and the
-  all-gather ``(P-1) alpha + k r beta`` (r: bytes per (index, value) row).
+  all-gather ``(P-1) alpha + k r beta`` (r: bytes per (index, value) row); at P = 2
+  one all-gather of the selections ``alpha + k r beta`` in place of the alltoall and
+  the all-gather.
 
 Here the link is probed and fitted (:func:`probe_link`, :func:`fit_link`) and each step
 predicted; the scheduler (:mod:`horovod_sparse.common.scheduler`) probes at each decision
@@ -93,15 +95,19 @@ def sparse_seconds(
     local_seconds_per_element: float,
     row_bytes: int = 8,
 ) -> float:
-    """Predicted time of a sparse step: measured local work plus its five collectives."""
+    """Predicted time of a sparse step: measured local work plus its five collectives
+    (at P = 2 four: one allgather of the selections takes the place of the alltoall and
+    the allgather, as ``gather_selections`` does by default; common/pair_stages.py)."""
     p = world_size
     local = local_seconds_per_element * numel
     if p <= 1:
         return local
+    histograms = len(RADIX_SHIFTS) * dense_seconds(link, HISTOGRAM_BINS, 4, p)
+    if p == 2:
+        return local + link.alpha + link.beta * k * row_bytes + histograms
     rows_out = k * (p - 1) / p  # a rank's share of k rows, minus its own region
     alltoall = link.alpha * (p - 1) + link.beta * rows_out * row_bytes
     allgather = link.alpha * (p - 1) + link.beta * rows_out * row_bytes
-    histograms = len(RADIX_SHIFTS) * dense_seconds(link, HISTOGRAM_BINS, 4, p)
     return local + alltoall + histograms + allgather
 
 

@@ -4,9 +4,9 @@ With two ranks the reduce-scatter and the all-gather move about the bytes of one
 all-gather of the two selections (a rank sends its selected rows, about k, and receives
 the other's, where the alltoall sends those of the other's region, about half, and the
 all-gather this owner's kept rows, about k/2), but take two collectives one after the
-other, each with its own latency. Once
-both selections are on both ranks, each rank sums both regions, in the order the
-owner does (two addends an index: their sum does not depend on the order), and applies
+other, each with its own latency. Once both selections are on both ranks, each rank
+sums both regions, in the order the owner does (two addends an index: their sum does
+not depend on the order), and applies
 both owners' global selections: the same threshold, each owner's own cap (both derived
 alike on every rank: ``ReusedGlobalThreshold.pair_caps``). So both ranks derive the
 rows the all-gather would have brought, and the result is the one of the two-collective

@@ -44,6 +44,10 @@ def test_predictions_follow_the_formulas():
     expected = local * n + 2 * (3 * 1e-4 + rows * 8 * 1e-9) + histograms
     assert sparse_seconds(link, n, k, world, local) == pytest.approx(expected)
     assert dense_seconds(link, n, 4, 1) == 0.0
+    # P = 2: one allgather of the k selected rows (common/pair_stages.py).
+    histograms = 4 * (2 * 1e-4 + 1.0 * 256 * 4 * 1e-9)
+    expected = local * n + (1e-4 + k * 8 * 1e-9) + histograms
+    assert sparse_seconds(link, n, k, 2, local) == pytest.approx(expected)
 
 
 def test_slow_links_favour_sparse_and_fast_links_dense():
