@@ -203,7 +203,8 @@ def stats(name: str | None = None, process_set: Any = hvd.global_process_set) ->
 
 def last_record(name: str | None = None, process_set: Any = hvd.global_process_set) -> StepRecord:
     """What the last :func:`sparse_allreduce` under ``name`` did, with host numbers: rows
-    sent and received per rank (``send_splits``, ``recv_splits``), rows kept, seconds."""
+    sent and received per rank (``send_splits``, ``recv_splits``: the alltoall's, None
+    at P = 2 where one allgather replaces it), rows kept, seconds."""
     return _engine(name, process_set).sparse[0].last_record.on_host(BACKEND)
 
 
