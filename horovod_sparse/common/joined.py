@@ -16,7 +16,8 @@ bucket's own exchange, so the owner's sums and selections are the ones the bucke
 compute alone, in the same order: results are bitwise those of separate exchanges.
 
 Sends: one alltoall (the members' rows, owner by owner) and one allgather (the members'
-kept rows) per step, whatever the number of members. Keeps: nothing between steps.
+kept rows) per step, whatever the number of members; at P = 2 one allgather of the
+members' selected rows alone (``common/pair_stages.py``). Keeps: nothing between steps.
 """
 
 from __future__ import annotations
