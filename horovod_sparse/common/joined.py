@@ -163,7 +163,7 @@ class JoinedExchange:
         ops = self.ops
         self._kept[position] = ops.pack_rows(bucket_indices, -self._base(member), wire)
         self._kept_rows[position] = ops.num_rows(bucket_indices)
-        if member.world_size == 2:  # summed() counts the other rank's rows per member
+        if member.world_size == 2 and member.config.gather_selections:  # read by summed()
             joined_indices = ops.shift(bucket_indices, self._base(member))
             mine = ops.position_histogram(joined_indices, self.edges[-1], len(self.members))
             self._own_histogram = (
