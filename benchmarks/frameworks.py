@@ -79,9 +79,11 @@ def timed(
     call: Callable[[Any], Any],
     barrier: Callable[[], None],
     after: Callable[[], None] | None = None,
+    first: list[float] | None = None,
 ) -> list[float]:
     """Seconds of each ``call(prepare(gradient))`` after the warm-up calls, on this rank;
-    ``after`` runs after each call, outside the timed region."""
+    ``after`` runs after each call, outside the timed region; the first call's seconds
+    (a ``tf.function``'s tracing included) go to ``first``."""
     times = []
     for i in range(WARMUP + repeats):
         x = prepare(gradient(numel, i))
@@ -91,6 +93,8 @@ def timed(
         elapsed = time.perf_counter() - start
         if i >= WARMUP:
             times.append(elapsed)
+        elif i == 0 and first is not None:
+            first.append(elapsed)
         if after is not None:
             after()
     return times
@@ -214,6 +218,7 @@ class TFRuns:
         # TF traces twice on the first call when that call creates variables (the
         # residual); traces after the first call would be retracing.
         traces: list[int] = []
+        first_call: list[float] = []
         fn_times = timed(
             numel,
             repeats,
@@ -221,6 +226,7 @@ class TFRuns:
             lambda x: step(x).numpy(),
             self.barrier,
             lambda: traces.append(int(step.experimental_get_tracing_count())),
+            first_call,
         )
         if traces[-1] != traces[0]:
             print(f"warning: {fn_name} retraced: traces after each call {traces}", file=sys.stderr)
@@ -231,6 +237,7 @@ class TFRuns:
             "tf_sparse_function": fn_times,
             "tf_sparse_eager": eager_times,
             "tf_function_traces_first_call": traces[0],
+            "tf_function_first_call_s": first_call[0],
             "tf_function_retraces": traces[-1] - traces[0],
             "tf_bytes_per_rank": s_fn.bytes_sent + s_fn.bytes_received,
             "tf_eager_bytes_per_rank": s_eager.bytes_sent + s_eager.bytes_received,
@@ -404,6 +411,7 @@ def report(args: argparse.Namespace, rows: list[dict], meta: dict) -> None:
         print(
             f"  {format_size(r['numel'])} d={r['density']:g}: selection={r['selection']}, "
             f"tf.function traces on 1st call={r.get('tf_function_traces_first_call')} "
+            f"(1st call {r.get('tf_function_first_call_s', float('nan')):.2f} s) "
             f"retraces after={r.get('tf_function_retraces')}, "
             f"bytes/rank torch={r.get('torch_bytes_per_rank')} "
             f"TF fn={r.get('tf_bytes_per_rank')} TF eager={r.get('tf_eager_bytes_per_rank')}"

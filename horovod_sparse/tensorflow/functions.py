@@ -58,6 +58,7 @@ def _state_for(
     return buckets
 
 
+@tf.autograph.experimental.do_not_convert
 def sparse_allreduce(
     tensor: tf.Tensor,
     density: float = 0.01,

@@ -108,6 +108,7 @@ class DistributedGradientTape(tf.GradientTape):
         was made with ``scale_local_gradients=False``."""
         self._local_sources |= source_keys(source)
 
+    @tf.autograph.experimental.do_not_convert
     def gradient(
         self,
         target: Any,

@@ -1,0 +1,99 @@
+"""Inside a ``tf.function``, the plugin's Python runs as written: AutoGraph converts the
+user's function, not the plugin's (``do_not_convert`` on the entry points), and the
+traced step equals the eager one.
+
+The engine makes every decision on a tensor through ``Backend.cond`` (a ``tf.cond``), so
+AutoGraph's rewriting of its Python has nothing to add; converting it cost about 10 s at
+the first trace in a process (docs/tensorflow.md, "Tracing").
+"""
+
+import inspect
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import horovod_sparse.tensorflow as hvds
+from horovod_sparse.tensorflow.backend import BACKEND
+
+hvd.init()
+
+GENERATED = "__autograph_generated"  # the files AutoGraph writes its conversions to
+
+
+@pytest.fixture
+def converted_callers(monkeypatch):
+    """The AutoGraph-converted functions on the stack whenever the plugin starts a
+    collective of a sparse step, one set per collective."""
+    seen: list[set[str]] = []
+
+    def probe(name):
+        original = getattr(BACKEND, name)
+
+        def recording(*args, **kwargs):
+            stack = inspect.stack(context=0)
+            seen.append({frame.function for frame in stack if GENERATED in frame.filename})
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(BACKEND, name, recording)
+
+    for name in ("alltoall_async", "allgather_async"):
+        probe(name)
+    return seen
+
+
+def local_grad(step: int, numel: int) -> tf.Tensor:
+    rng = np.random.default_rng(1000 * step + hvd.rank())
+    return tf.constant(rng.standard_normal(numel).astype(np.float32))
+
+
+def test_sparse_allreduce_is_traced_unconverted_and_equals_eager(converted_callers):
+    hvds.reset_residuals()
+
+    @tf.function
+    def step(x):
+        return hvds.sparse_allreduce(x, density=0.02, name="trace.fn")
+
+    for s in range(4):
+        grad = local_grad(s, 5000)
+        traced = step(grad)
+        eager = hvds.sparse_allreduce(grad, density=0.02, name="trace.eager")
+        np.testing.assert_array_equal(traced.numpy(), eager.numpy())
+    traced_calls = [names for names in converted_callers if names]
+    assert traced_calls, "the traced step started a collective while tracing"
+    # The test's own function is converted; nothing of the plugin's below it.
+    assert all(names == {"tf__step"} for names in traced_calls), traced_calls
+
+
+def test_tape_is_traced_unconverted_and_equals_eager(converted_callers):
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((16,)), keras.layers.Dense(64), keras.layers.Dense(4)])
+
+    def gradients(model, x, name):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x)))
+        tape = hvds.DistributedGradientTape(tape, density=0.05, name=name)
+        return tape.gradient(loss, model.trainable_variables)
+
+    models = make(), make()
+
+    @tf.function
+    def step(x):
+        return gradients(models[0], x, "trace.tape.fn")
+
+    for s in range(3):
+        x = tf.reshape(local_grad(s, 8 * 16), [8, 16])
+        traced = step(x)
+        eager = gradients(models[1], x, "trace.tape.eager")
+        for t, e in zip(traced, eager):
+            np.testing.assert_array_equal(t.numpy(), e.numpy())
+    traced_calls = [names for names in converted_callers if names]
+    assert traced_calls, "the traced step started a collective while tracing"
+    # AutoGraph converts the test's step and the helper it calls; not the tape.
+    assert all(names == {"tf__step", "tf__gradients"} for names in traced_calls), traced_calls
