@@ -97,6 +97,8 @@ class BucketSet:
         postscale: float = 1.0,
     ) -> None:
         self.states = list(states)
+        # Eager calls of the functional API: its step traced, per scales and compression.
+        self.traced: dict[Any, Any] = {}
         self.engine = Engine(BACKEND, names, [s.reducer for s in self.states], fusion)
         self.engine.prescale, self.engine.postscale = prescale, postscale
 

@@ -6,7 +6,7 @@ returns them for a ``tf.train.Checkpoint``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -76,6 +76,8 @@ def sparse_allreduce(
     Sends one alltoall of about k(P-1)/P rows (8 bytes each for fp32, k = ceil(density*n)),
     four 1 KiB histogram allreduces and one allgather of about k(P-1)/P rows in.
     Keeps the unselected mass in the ``tf.Variable`` residual stored under ``name``.
+    Called eagerly, the step runs as a ``tf.function`` traced at the first call under
+    ``name`` (one trace per prescale, postscale and compression).
     ``options``: ``selection``, ``partition``, ``reestimate_steps``,
     ``repartition_steps``, ``warmup_steps``, ``density_decay_steps`` (k follows the
     step count, inside one trace too), ``error_feedback``, ``global_selection``,
@@ -102,9 +104,38 @@ def sparse_allreduce(
         raise ValueError(f"sparse_allreduce({name!r}) needs a statically known tensor size")
     numel = int(tensor.shape.num_elements())
     buckets = _state_for(name, numel, tensor.dtype, config, process_set, compression)
-    buckets.engine.prescale, buckets.engine.postscale = prescale, postscale
-    (result,) = buckets.exchange([Corrected(tf.reshape(tensor, [-1]), None, [])])
+    flat = tf.reshape(tensor, [-1])
+    if tf.executing_eagerly():
+        result = _traced_step(buckets, prescale, postscale, compression)(flat)
+    else:
+        result = _step(buckets, prescale, postscale, flat)
     return tf.reshape(result, tf.shape(tensor))
+
+
+def _step(buckets: BucketSet, prescale: float, postscale: float, flat: tf.Tensor) -> tf.Tensor:
+    buckets.engine.prescale, buckets.engine.postscale = prescale, postscale
+    (result,) = buckets.exchange([Corrected(flat, None, [])])
+    return result
+
+
+def _traced_step(
+    buckets: BucketSet, prescale: float, postscale: float, compression: Any
+) -> Callable[[tf.Tensor], tf.Tensor]:
+    """The step of ``buckets`` as one ``tf.function``, traced at its first eager call
+    with these scales and compression (host values the trace keeps), as Horovod runs
+    its tape's eager allreduces: eagerly, each of the step's few hundred ops is
+    dispatched from Python, one at a time."""
+    key = (prescale, postscale, compression)
+    if key not in buckets.traced:
+        spec = tf.TensorSpec([_reducer_of(buckets).numel], buckets.states[0].residual.dtype)
+
+        @tf.function(input_signature=[spec], autograph=False)
+        def step(flat: tf.Tensor) -> tf.Tensor:
+            return _step(buckets, prescale, postscale, flat)
+
+        buckets.traced[key] = step
+    traced: Callable[[tf.Tensor], tf.Tensor] = buckets.traced[key]
+    return traced
 
 
 def stats(name: str, process_set: Any = hvd.global_process_set) -> StepStats:

@@ -1,6 +1,7 @@
 """Inside a ``tf.function``, the plugin's Python runs as written: AutoGraph converts the
 user's function, not the plugin's (``do_not_convert`` on the entry points), and the
-traced step equals the eager one.
+traced step equals the eager one. An eager ``sparse_allreduce`` runs its own trace,
+made once per name, scale and compression.
 
 The engine makes every decision on a tensor through ``Backend.cond`` (a ``tf.cond``), so
 AutoGraph's rewriting of its Python has nothing to add; converting it cost about 10 s at
@@ -97,3 +98,25 @@ def test_tape_is_traced_unconverted_and_equals_eager(converted_callers):
     assert traced_calls, "the traced step started a collective while tracing"
     # AutoGraph converts the test's step and the helper it calls; not the tape.
     assert all(names == {"tf__step", "tf__gradients"} for names in traced_calls), traced_calls
+
+
+def test_an_eager_call_runs_one_trace_a_name_and_scale():
+    """An eager ``sparse_allreduce`` runs its step as a ``tf.function`` traced at the
+    first call (per prescale, postscale and compression, host values the trace keeps):
+    later calls do not retrace, and a call with another op under the same name takes
+    its own trace with that op's scale."""
+    hvds.reset_residuals()
+    name = "trace.ops"
+    first_traces = {}  # each step's tracing count after its first call
+    for step in range(6):
+        op = hvd.Sum if step % 3 == 2 else hvd.Average
+        grad = local_grad(step, 3000)
+        sparse = hvds.sparse_allreduce(grad, density=1.0, name=name, op=op)
+        dense = hvd.allreduce(grad, op=op, name=f"{name}.dense.{step}")
+        np.testing.assert_allclose(sparse.numpy(), dense.numpy(), rtol=1e-6, atol=1e-6)
+        traced = hvds.functions._STATES.find(name, hvd.global_process_set).traced
+        for key, function in traced.items():
+            first_traces.setdefault(key, function.experimental_get_tracing_count())
+    assert len(traced) == 2, list(traced)  # one step for Average, one for Sum
+    now = {key: function.experimental_get_tracing_count() for key, function in traced.items()}
+    assert now == first_traces
