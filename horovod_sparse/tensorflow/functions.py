@@ -29,6 +29,11 @@ from horovod_sparse.tensorflow.reducer import op_name
 __all__ = ["reset_residuals", "residual_variables", "sparse_allreduce", "stats"]
 
 
+# The traces an eager call keeps under one name; calls with other scales or compression
+# beyond them run op by op.
+MOST_TRACES = 4
+
+
 def _reducer_of(buckets: BucketSet) -> BucketReducer:
     reducer = buckets.states[0].reducer
     assert isinstance(reducer, BucketReducer)  # one tensor: always a sparse reducer
@@ -77,7 +82,7 @@ def sparse_allreduce(
     four 1 KiB histogram allreduces and one allgather of about k(P-1)/P rows in.
     Keeps the unselected mass in the ``tf.Variable`` residual stored under ``name``.
     Called eagerly, the step runs as a ``tf.function`` traced at the first call under
-    ``name`` (one trace per prescale, postscale and compression).
+    ``name`` (one trace per prescale, postscale and compression, up to four).
     ``options``: ``selection``, ``partition``, ``reestimate_steps``,
     ``repartition_steps``, ``warmup_steps``, ``density_decay_steps`` (k follows the
     step count, inside one trace too), ``error_feedback``, ``global_selection``,
@@ -127,6 +132,9 @@ def _traced_step(
     dispatched from Python, one at a time."""
     key = (prescale, postscale, compression)
     if key not in buckets.traced:
+        if len(buckets.traced) >= MOST_TRACES:
+            # Scales that change from call to call (a schedule) would trace every call.
+            return lambda flat: _step(buckets, prescale, postscale, flat)
         spec = tf.TensorSpec([_reducer_of(buckets).numel], buckets.states[0].residual.dtype)
 
         @tf.function(input_signature=[spec], autograph=False)

@@ -120,3 +120,18 @@ def test_an_eager_call_runs_one_trace_a_name_and_scale():
     assert len(traced) == 2, list(traced)  # one step for Average, one for Sum
     now = {key: function.experimental_get_tracing_count() for key, function in traced.items()}
     assert now == first_traces
+
+
+def test_eager_calls_with_ever_new_scales_stop_tracing_and_stay_right():
+    """Past ``MOST_TRACES`` traces under a name, a call with a new prescale runs op by op
+    (a scale schedule would otherwise trace every call), with its own scale."""
+    hvds.reset_residuals()
+    name = "trace.scales"
+    for step in range(hvds.functions.MOST_TRACES + 2):
+        scale = 1.0 + step
+        grad = local_grad(step, 3000)
+        sparse = hvds.sparse_allreduce(grad, density=1.0, name=name, prescale_factor=scale)
+        dense = hvd.allreduce(grad, name=f"{name}.dense.{step}", prescale_factor=scale)
+        np.testing.assert_allclose(sparse.numpy(), dense.numpy(), rtol=1e-6, atol=1e-6)
+    traced = hvds.functions._STATES.find(name, hvd.global_process_set).traced
+    assert len(traced) == hvds.functions.MOST_TRACES
