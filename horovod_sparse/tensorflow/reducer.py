@@ -197,6 +197,7 @@ class GradientReducer:
             self.prescale,
             self.postscale,
         )
+        self._traced: Any = None  # the eager exchange, traced (see reduce())
         # log_every: reductions counted in a variable (a traced step counts too); rank 0
         # of the process set prints every log_every-th.
         self._reductions: tf.Variable | None = None
@@ -233,8 +234,20 @@ class GradientReducer:
         return [[self.buckets[i][0].name for i in run] for run in self.fused_runs]
 
     def reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
-        """Reduced gradients, in the order of ``grads``. ``None`` gradients count as zeros."""
+        """Reduced gradients, in the order of ``grads``. ``None`` gradients count as zeros.
+
+        Called eagerly (the tape's ``gradient()`` outside a ``tf.function``), the
+        exchange runs as one ``tf.function`` traced at the first call, as Horovod runs
+        its tape's eager allreduces: eagerly, each of its ops would be dispatched from
+        Python one at a time."""
         dense = [self._dense(g, v) for g, v in zip(grads, variables)]
+        if not tf.executing_eagerly():
+            return self._reduce_dense(dense)
+        if self._traced is None:
+            self._traced = tf.function(self._reduce_dense, autograph=False)
+        return list(self._traced(dense))
+
+    def _reduce_dense(self, dense: list[tf.Tensor]) -> list[Any]:
         out: list[Any] = list(dense)
         adam_step = None
         if self._adam_step is not None:

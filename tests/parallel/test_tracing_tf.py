@@ -135,3 +135,19 @@ def test_eager_calls_with_ever_new_scales_stop_tracing_and_stay_right():
         np.testing.assert_allclose(sparse.numpy(), dense.numpy(), rtol=1e-6, atol=1e-6)
     traced = hvds.functions._STATES.find(name, hvd.global_process_set).traced
     assert len(traced) == hvds.functions.MOST_TRACES
+
+
+def test_an_eager_tape_runs_its_exchange_traced_once():
+    """The tape's eager ``gradient()`` runs the exchange as one ``tf.function``, traced
+    at the first call and not again; its gradients are those of a traced step."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64), keras.layers.Dense(4)])
+    counts = []
+    for s in range(4):
+        x = tf.reshape(local_grad(s, 8 * 16), [8, 16])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x)))
+        tape = hvds.DistributedGradientTape(tape, density=0.05, name="trace.tape.eager.once")
+        tape.gradient(loss, model.trainable_variables)
+        counts.append(tape._reducer._traced.experimental_get_tracing_count())
+    assert counts == counts[:1] * 4, counts
