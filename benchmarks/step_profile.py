@@ -26,7 +26,9 @@ Columns:
 
     python benchmarks/step_profile.py [--model demo,wide] [--framework torch,tf]
                                       [--ranks 2] [--threads default,1]
-                                      [--steps 60] [--warmup 20]
+                                      [--steps 60] [--warmup 20] [--tf-eager]
+
+``--tf-eager`` runs TF's training step eagerly instead of as one traced call.
 
 ``--threads default`` sets nothing (``horovodrun`` sets no thread count, so each
 framework takes every core in every rank); ``1`` sets one intra-op thread in every rank.
@@ -174,7 +176,7 @@ def run_mode(model_name: str, mode: str, steps: int, warmup: int) -> dict:
     }
 
 
-def run_tf_mode(model_name: str, sparse: bool, steps: int, warmup: int) -> dict:
+def run_tf_mode(model_name: str, sparse: bool, steps: int, warmup: int, eager: bool) -> dict:
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
@@ -208,11 +210,12 @@ def run_tf_mode(model_name: str, sparse: bool, steps: int, warmup: int) -> dict:
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
+    run_step = train_step.python_function if eager else train_step
     rows = []
     total = 0.0
     for step in range(warmup + steps):
         began = time.perf_counter()
-        train_step(x[step % 8], y[step % 8]).numpy()
+        run_step(x[step % 8], y[step % 8]).numpy()
         ended = time.perf_counter()
         slowest = hvd.allreduce(
             tf.constant([ended - began], tf.float64), op=hvd.Max, name=f"t.{step}"
@@ -232,7 +235,8 @@ def run_tf_mode(model_name: str, sparse: bool, steps: int, warmup: int) -> dict:
     return {
         "model": model_name,
         "framework": "tf",
-        "mode": "sparse tape (defaults)" if sparse else "dense hvd.DistributedGradientTape",
+        "mode": ("sparse tape (defaults)" if sparse else "dense hvd.DistributedGradientTape")
+        + (", eager" if eager else ""),
         "parameters": sum(int(tf.size(v)) for v in model.trainable_variables),
         "all_steps_s": total,
         "rows": rows,
@@ -240,7 +244,7 @@ def run_tf_mode(model_name: str, sparse: bool, steps: int, warmup: int) -> dict:
 
 
 def tf_worker(
-    models: list[str], modes: list[str], threads: str, steps: int, warmup: int, out: str
+    models: list[str], threads: str, steps: int, warmup: int, out: str, eager: bool
 ) -> None:
     import tensorflow as tf
 
@@ -252,7 +256,7 @@ def tf_worker(
     results = []
     for model_name in models:
         for sparse in (False, True):
-            result = run_tf_mode(model_name, sparse, steps, warmup)
+            result = run_tf_mode(model_name, sparse, steps, warmup, eager)
             used = tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
             results.append(result | {"P": hvd.size(), "threads": threads, "threads_used": used})
     if hvd.rank() == 0:
@@ -357,15 +361,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "results" / "step_profile"))
+    parser.add_argument(
+        "--tf-eager", action="store_true", help="TF: run the training step eagerly, untraced"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-threads", default="default", help=argparse.SUPPRESS)
     parser.add_argument("--worker-framework", default="torch", help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.model.split(",")
     if args.worker:
-        run = tf_worker if args.worker_framework == "tf" else worker
-        modes = args.torch_modes.split(",")
-        run(models, modes, args.worker_threads, args.steps, args.warmup, args.worker)
+        if args.worker_framework == "tf":
+            tf_worker(
+                models, args.worker_threads, args.steps, args.warmup, args.worker, args.tf_eager
+            )
+        else:
+            modes = args.torch_modes.split(",")
+            worker(models, modes, args.worker_threads, args.steps, args.warmup, args.worker)
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -385,7 +396,7 @@ def main() -> None:
             "--worker-threads", threads, "--worker-framework", framework,
             "--torch-modes", args.torch_modes,
             "--worker", str(part),
-        ]  # fmt: skip
+        ] + (["--tf-eager"] if args.tf_eager else [])  # fmt: skip
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         env.pop("OMP_NUM_THREADS", None)  # "default" means what horovodrun leaves
         subprocess.run(cmd, check=True, env=env, timeout=3600, stdout=subprocess.DEVNULL)
