@@ -110,12 +110,13 @@ class PairStages(SparseBucket):
             if owner == self.rank:
                 # Global residual collection, and the rounding of lossy compression:
                 # this owner's alone, as in its own step.
-                self.residual = ops.add_at(self.residual, ops.shift(drop_idx, lo), drop_val)
+                self.owe(ops.shift(drop_idx, lo), drop_val)
                 if lost is not None:
-                    self.residual = ops.add_at(self.residual, bucket_idx, lost)
+                    self.owe(bucket_idx, lost)
                 own_rows, own_ctx = ops.num_rows(bucket_idx), ctx
             kept_indices.append(bucket_idx)
             kept_wire.append(wire)
+        self.settle_residual()
         selected = ops.clock()
         record.seconds_select = record.seconds_select + (selected - owned.received)
         record.seconds_local = (

@@ -66,6 +66,10 @@ class SparseBucket:
         # from it, and the adapter can reduce the bucket buffer itself (the kind
         # DENSE_IN_BUFFER, common/plan.py). Assigning ``residual`` clears it.
         self.residual_clear = True
+        # The positions this step sent, which the residual still holds, and what the
+        # step owes the residual since: written together by settle_residual(), in one
+        # pass over the bucket where the backend is not in place.
+        self._unsettled: tuple[Tensor, list[tuple[Tensor, Tensor]]] | None = None
         # The step's joined exchange (common/joined.py), which the engine's plan sets
         # on each step's sparse buckets; None: the bucket exchanges on its own.
         self.joined: Any = None
@@ -109,6 +113,25 @@ class SparseBucket:
         self._residual = value
         self.residual_clear = False
 
+    def keep_unsent(self, accumulator: Tensor, sent: Tensor) -> None:
+        """The accumulator becomes the residual, less its entries at ``sent`` (zeroed
+        by :meth:`settle_residual`: until then the residual still holds them)."""
+        self.residual = accumulator
+        self._unsettled = (sent, [])
+
+    def owe(self, indices: Tensor, values: Tensor) -> None:
+        """Add ``values`` at ``indices`` to the residual, after this step's other
+        additions (by :meth:`settle_residual`)."""
+        assert self._unsettled is not None, "owed within a sparse step"
+        self._unsettled[1].append((indices, values))
+
+    def settle_residual(self) -> None:
+        """Zero the entries this step sent, then add what it owes, in order."""
+        assert self._unsettled is not None, "settled once a sparse step"
+        sent, owed = self._unsettled
+        self._unsettled = None
+        self.residual = self.ops.zero_then_add(self.residual, sent, owed)
+
     def clear_residual(self) -> None:
         """Zero the residual: its mass reached the parameters some other way (a flush)."""
         self.residual = self.ops.zero_(self.residual)
@@ -124,12 +147,14 @@ class SparseBucket:
     def tensors(self) -> tuple[Tensor, Tensor | None, bool]:
         """The residual, the velocity and whether the residual is clear: what a branch
         of a traced step changes (see :meth:`rewind`)."""
+        assert self._unsettled is None, "taken between steps"
         return self._residual, self.velocity, self.residual_clear
 
     def rewind(self, tensors: tuple[Tensor, Tensor | None, bool]) -> None:
         """Start again from :meth:`tensors`: each branch of a ``tf.cond`` on the step's
         kind begins from the state before the cond, not from the other branch's."""
         self._residual, self.velocity, self.residual_clear = tensors
+        self._unsettled = None
 
     def make_state_cells(self) -> None:
         """Make now the cells the selection and the reused global threshold otherwise

@@ -43,19 +43,20 @@ class SparseStages(PairStages):
         :func:`~horovod_sparse.common.exchange.spar_reduce_scatter_start`), or hands
         them to the step's joined alltoall (:mod:`~horovod_sparse.common.joined`).
         Keeps: the unselected entries as the new residual (plus the rounding of lossy
-        value compression).
+        value compression), the selected ones zeroed when the step settles its
+        residual (:meth:`gather`).
         """
         ops = self.ops
         # Step 3: local selection; what is not selected stays in the residual.
         indices = self.selection.select(ops, accumulator, self.k)
         values = ops.take(accumulator, indices)
-        self.residual = ops.zero_at(accumulator, indices)
+        self.keep_unsent(accumulator, indices)
         if self.velocity is not None:
             self.velocity = ops.zero_at(self.velocity, indices)
         wire, ctx, lost = ops.compress(values, self.compression)
         if lost is not None:
             # Lossy compression: the rounding stays here instead of vanishing.
-            self.residual = ops.add_at(self.residual, indices, lost)
+            self.owe(indices, lost)
         selected = ops.clock(wire)
         # Step 4: partition, the boundaries every rank holds alike (a balanced partition
         # moves them after an all-gather: see finish_sparse()).
@@ -165,17 +166,18 @@ class SparseStages(PairStages):
             kept_mask, owned.region_indices, owned.sums
         )
         # Step 6c: global residual collection: dropped sums go back to this owner's residual.
-        self.residual = ops.add_at(self.residual, ops.shift(drop_idx, lo), drop_val)
+        self.owe(ops.shift(drop_idx, lo), drop_val)
         selected = ops.clock(kept_val)
         # Step 7: Spar-All-Gather of the kept rows with bucket-local indices.
         wire, ctx, lost = ops.compress(kept_val, self.compression)
         bucket_idx = ops.shift(kept_idx, lo)
         if lost is not None:
-            self.residual = ops.add_at(self.residual, bucket_idx, lost)
+            self.owe(bucket_idx, lost)
         if self.joined is not None:
             handle = self.joined.send_gather(self, bucket_idx, wire)
         else:
             handle = spar_all_gather_start(ops, bucket_idx, wire, self.name, self.process_set)
+        self.settle_residual()  # while the all-gather travels
         record.seconds_select = record.seconds_select + (selected - owned.received)
         # Local work only (no collective waits), for an automatic scheduler's cost model.
         record.seconds_local = (

@@ -193,6 +193,18 @@ class TorchKernels(HorovodPrimitives):
             return buffer.index_put_((indices,), values, accumulate=True)
         return buffer.index_add_(0, indices, values)
 
+    def zero_then_add(
+        self,
+        buffer: torch.Tensor,
+        zeroed: torch.Tensor,
+        adds: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        # In place, each write is O(its indices): nothing to gain from joining them.
+        buffer = self.zero_at(buffer, zeroed)
+        for indices, values in adds:
+            buffer = self.add_at(buffer, indices, values)
+        return buffer
+
     def shift(self, indices: torch.Tensor, offset: int) -> torch.Tensor:
         return indices + offset
 

@@ -233,6 +233,37 @@ def test_zero_at_zeroes_every_hit_entry_inf_and_nan_included_and_keeps_the_rest(
         np.testing.assert_array_equal(got.view(bits), expected.view(bits))
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("special", [None, np.inf, -np.inf, np.nan])
+def test_zero_then_add_leaves_the_bits_of_zero_at_then_each_add_in_turn(backend, dtype, special):
+    ops, to, back = backend
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal(64).astype(dtype)
+    values[[5, 9]] = -0.0
+    zeroed = np.array([2, 5, 9, 17, 40, 41], dtype=np.int64)
+    if special is not None:
+        values[17] = special  # a sent entry that does not cancel by subtraction
+    # Duplicates within and across the adds, over zeroed and untouched entries alike.
+    adds = [
+        (np.array([2, 3, 40, 3], dtype=np.int64), rng.standard_normal(4).astype(dtype)),
+        (np.array([41, 3, 2, 63], dtype=np.int64), rng.standard_normal(4).astype(dtype)),
+    ]
+    expected = values.copy()
+    expected[zeroed] = 0.0
+    for indices, added in adds:
+        for index, value in zip(indices, added):
+            expected[index] += value
+
+    def run(buffer, sent, *flat):
+        pairs = list(zip(flat[0::2], flat[1::2]))
+        return ops.zero_then_add(buffer, sent, pairs)
+
+    flat = [to(array) for pair in adds for array in pair]
+    bits = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
+    for got in _traced_too(ops, run, to(values.copy()), to(zeroed), *flat):
+        np.testing.assert_array_equal(back(got).view(bits), expected.view(bits))
+
+
 @pytest.mark.parametrize(
     ("numel", "size", "offset"), [(100, 10, 3), (103, 10, 12), (7, 7, 5), (262144, 25600, 9)]
 )
