@@ -309,6 +309,10 @@ class Backend(Protocol):
         ``(prefix | d << shift, remaining - count(digits > d))``."""
 
     def mask_at_least(self, keys: Tensor, threshold: Tensor) -> Tensor: ...
+    def count_reaching(self, keys: Tensor, threshold: Tensor) -> Any:
+        """At least how many ``keys`` are ``>= threshold``: the count, or, where counting
+        would make the host wait for a device, the number of keys (a host int)."""
+
     def larger_key(self, key: Tensor, other: Tensor) -> Tensor:
         """The larger of two magnitude-key scalars."""
 

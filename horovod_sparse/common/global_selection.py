@@ -228,9 +228,16 @@ class ReusedGlobalThreshold:
     @staticmethod
     def capped(ops: Backend, keys: Tensor, threshold: Tensor, cap: Any) -> Tensor:
         """``threshold`` raised, where needed, so that at most about ``cap`` of this
-        owner's ``keys`` reach it (ties at the cut all pass)."""
+        owner's ``keys`` reach it (ties at the cut all pass).
+
+        The cap-th largest key changes which keys reach the threshold only when more
+        than ``cap`` do, so those are counted first (where the backend counts without a
+        host wait). In a 16M i.i.d. call at P = 2 an owner's keys, both ranks' selections
+        in its region, are about 1.6 caps, of which about 0.8 caps reach a reused
+        threshold; finding that key among 170K took 1.4 ms (one CPU thread), counting
+        them 0.1."""
         return ops.cond(
-            ops.num_rows(keys) > cap,
+            ops.count_reaching(keys, threshold) > cap,
             lambda: ops.larger_key(threshold, ops.kth_largest(keys, cap)),
             lambda: threshold,
         )

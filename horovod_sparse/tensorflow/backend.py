@@ -308,6 +308,9 @@ class TFBackend(HorovodPrimitives):
     def mask_at_least(self, keys: tf.Tensor, threshold: tf.Tensor) -> tf.Tensor:
         return keys >= threshold
 
+    def count_reaching(self, keys: tf.Tensor, threshold: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_sum(tf.cast(keys >= threshold, tf.int64))
+
     def larger_key(self, key: tf.Tensor, other: tf.Tensor) -> tf.Tensor:
         return tf.maximum(key, tf.cast(other, key.dtype))
 

@@ -280,6 +280,11 @@ class TorchKernels(HorovodPrimitives):
     def mask_at_least(self, keys: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
         return keys >= threshold
 
+    def count_reaching(self, keys: torch.Tensor, threshold: torch.Tensor) -> int:
+        if keys.device.type != "cpu":
+            return self.num_rows(keys)  # an upper bound the host has: no sync
+        return int(torch.count_nonzero(keys >= threshold))
+
     def larger_key(self, key: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         return torch.maximum(key, other)
 

@@ -153,6 +153,36 @@ def test_grouped_radix_selects_equal_each_bucket_alone(framework):
         assert int(key) == key_of(float(magnitudes[k - 1]))
 
 
+@pytest.mark.parametrize(
+    ("framework", "traced"), [("torch", False), ("tensorflow", False), ("tensorflow", True)]
+)
+def test_a_capped_threshold_keeps_at_most_cap_keys_as_the_cap_th_key_would(framework, traced):
+    """The keys a capped threshold keeps are those of max(threshold, cap-th largest key):
+    caps below, at and above the count that reaches the threshold, ties at the cut."""
+    ops, to, back = BACKENDS[framework]()
+    capped = ReusedGlobalThreshold.capped
+    if traced:
+        import tensorflow as tf
+
+        capped = tf.function(capped, autograph=False)
+    rng = np.random.default_rng(5)
+    magnitudes = np.concatenate([rng.standard_normal(60), np.full(8, 1.5)]).astype(np.float32)
+    keys_np = np.abs(magnitudes).view(np.int32)
+    keys = ops.magnitude_keys(to(magnitudes))
+    for threshold_value in (0.3, 1.0, 1.5, 2.2):
+        threshold = key_of(threshold_value)
+        reaching = int(np.count_nonzero(keys_np >= threshold))
+        for cap in sorted({1, 5, reaching - 1, reaching, reaching + 1, 68} - {0}):
+            if cap < 1:
+                continue
+            expected_key = max(threshold, int(np.sort(keys_np)[::-1][cap - 1]))
+            got = capped(ops, keys, to(np.array(threshold, np.int32)), cap)
+            kept = back(ops.mask_at_least(keys, got))
+            np.testing.assert_array_equal(kept, keys_np >= expected_key)
+            # At most cap keys above the cut; ties at the cut all pass.
+            assert np.count_nonzero(keys_np > expected_key) <= cap
+
+
 @pytest.mark.parametrize(("saved_cap", "expected"), [(5, 5), (0, 7), (None, 7)])
 def test_a_restored_cap_is_the_saved_one_or_k(saved_cap, expected):
     """A checkpoint carries this owner's cap; one without (older, or another rank's state
