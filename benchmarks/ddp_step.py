@@ -113,6 +113,8 @@ def worker(args: argparse.Namespace) -> None:
             # One bucket: PowerSGD's hook hit a Gloo collective mismatch with several
             # (examples/pytorch/ddp_train.py).
             bucket_cap_mb = 1024
+        elif args.bucket_cap_mb:
+            bucket_cap_mb = args.bucket_cap_mb
         model = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
         # The sparse hook runs SGD's momentum itself (momentum correction).
         momentum = 0.0 if kind == "sparse" else 0.9
@@ -141,9 +143,11 @@ def worker(args: argparse.Namespace) -> None:
             optimizer.step()
             if step >= args.warmup:
                 times.append(time.perf_counter() - began)
+        buckets = None  # the hook's count: sparse and dense DDP buckets
         if kind == "sparse":
             stats = state.stats()
             moved = stats.bytes_sent + stats.bytes_received
+            buckets = stats.sparse_buckets + stats.dense_buckets
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         parts = [torch.empty_like(flat) for _ in range(size)]
         dist.all_gather(parts, flat)
@@ -155,6 +159,8 @@ def worker(args: argparse.Namespace) -> None:
                 "median_s": statistics.median(times),
                 "bytes": moved,
                 "dense_bytes": dense_bytes,
+                "bucket_cap_mb": bucket_cap_mb,
+                "buckets": buckets,
             }
         )
     if dist.get_rank() == 0:
@@ -197,6 +203,7 @@ def overlap_rows(args: argparse.Namespace, model_name: str) -> list[dict]:
     runs = {}
     for config in OVERLAP_CONFIGS:
         module, bucket_cap_mb, x, y = build(model_name, args.batch_size, dist.get_rank())
+        bucket_cap_mb = args.bucket_cap_mb or bucket_cap_mb
         model = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
         state = SparseState(density=args.density, momentum=0.9)  # the optimizer's momentum
         model.register_comm_hook(
@@ -291,6 +298,8 @@ def worker_args(args: argparse.Namespace, result: Path) -> list[str]:
         str(args.repeats),
         "--density",
         str(args.density),
+        "--bucket-cap-mb",
+        str(args.bucket_cap_mb),
         *(["--overlap"] if args.overlap else []),
         "--result",
         str(result),
@@ -327,6 +336,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--overlap", action="store_true", help="overlap against waiting")
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=int,
+        default=0,
+        help="DDP's bucket cap for allreduce and the hook (0: the model's, 25 for wide_mlp)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="--overlap: interleaved rounds")
     parser.add_argument("--density", type=float, default=0.01, help="--overlap: the density")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
