@@ -112,8 +112,8 @@ class Backend(Protocol):
     In place: a kernel whose name ends in ``_``, and ``assign``, ``scale``,
     ``zero_at``, ``add_at``, ``zero_then_add`` and ``allreduce_sum_inplace_async``, may
     write into its first argument; every kernel returns its result, and the common code
-    always uses the return value, so a backend that cannot write in place (TF) returns a new tensor
-    instead. :attr:`in_place` says which kind this backend is, for the one path that
+    always uses the return value, so a backend that cannot write in place (TF) returns a
+    new tensor instead. :attr:`in_place` says which kind this backend is, for the one path that
     needs the write itself (dense-step fusion reduces the adapter's arena slice).
     """
 

@@ -211,7 +211,7 @@ def zero_then_add(
     """``Backend.zero_then_add`` in one pass over the buffer: one ``SparseAdd`` of the
     negated entries at ``zeroed`` (``x + -x`` is exactly 0), then of ``adds``, in that
     order (16M floats, 84K zeroed and 40K added, one thread: 12.4 against 19.6 ms for
-    a select and an add, 7.8 of either being the step around them). An infinite or NaN
+    a select and an add, of which 7.8 ms is the step around them). An infinite or NaN
     entry does not cancel: then ``zero_at`` and ``add_at`` in turn."""
     taken = bucket_gather(buffer, zeroed)
     positions = tf.concat([zeroed] + [tf.cast(i, tf.int64) for i, _ in adds], 0)
