@@ -113,8 +113,9 @@ class Backend(Protocol):
     ``zero_at``, ``add_at``, ``zero_then_add`` and ``allreduce_sum_inplace_async``, may
     write into its first argument; every kernel returns its result, and the common code
     always uses the return value, so a backend that cannot write in place (TF) returns a
-    new tensor instead. :attr:`in_place` says which kind this backend is, for the one path that
-    needs the write itself (dense-step fusion reduces the adapter's arena slice).
+    new tensor instead. :attr:`in_place` says which kind this backend is, for the one
+    path that needs the write itself (dense-step fusion reduces the adapter's arena
+    slice).
     """
 
     in_place: bool  # whether the kernels above write into their first argument
@@ -256,12 +257,17 @@ class Backend(Protocol):
         """``buffer[indices] += values``, duplicates summed; returns the updated buffer."""
 
     def zero_then_add(
-        self, buffer: Tensor, zeroed: Tensor, adds: Sequence[tuple[Tensor, Tensor]]
+        self,
+        buffer: Tensor,
+        zeroed: Tensor,
+        held: Tensor,
+        adds: Sequence[tuple[Tensor, Tensor]],
     ) -> Tensor:
         """``buffer[zeroed] = 0``, then each ``(indices, values)`` of ``adds`` added in
         its turn (duplicates summed in order), as :meth:`zero_at` and :meth:`add_at`
-        would leave it, bit for bit; returns the updated buffer. A backend that is not
-        in place does it in one pass over the buffer rather than one a call."""
+        would leave it, bit for bit; returns the updated buffer. ``held``: the entries
+        at ``zeroed`` as the caller read them (:meth:`take`), which a backend that is
+        not in place cancels to write the buffer in one pass rather than one a call."""
 
     def shift(self, indices: Tensor, offset: int) -> Tensor: ...
 

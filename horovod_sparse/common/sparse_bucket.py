@@ -69,7 +69,7 @@ class SparseBucket:
         # The positions this step sent, which the residual still holds, and what the
         # step owes the residual since: written together by settle_residual(), in one
         # pass over the bucket where the backend is not in place.
-        self._unsettled: tuple[Tensor, list[tuple[Tensor, Tensor]]] | None = None
+        self._unsettled: tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]]] | None = None
         # The step's joined exchange (common/joined.py), which the engine's plan sets
         # on each step's sparse buckets; None: the bucket exchanges on its own.
         self.joined: Any = None
@@ -113,24 +113,25 @@ class SparseBucket:
         self._residual = value
         self.residual_clear = False
 
-    def keep_unsent(self, accumulator: Tensor, sent: Tensor) -> None:
-        """The accumulator becomes the residual, less its entries at ``sent`` (zeroed
-        by :meth:`settle_residual`: until then the residual still holds them)."""
+    def keep_unsent(self, accumulator: Tensor, sent: Tensor, values: Tensor) -> None:
+        """The accumulator becomes the residual, less its entries at ``sent`` (which are
+        ``values``; zeroed by :meth:`settle_residual`: until then the residual still
+        holds them)."""
         self.residual = accumulator
-        self._unsettled = (sent, [])
+        self._unsettled = (sent, values, [])
 
     def owe(self, indices: Tensor, values: Tensor) -> None:
         """Add ``values`` at ``indices`` to the residual, after this step's other
         additions (by :meth:`settle_residual`)."""
         assert self._unsettled is not None, "owed within a sparse step"
-        self._unsettled[1].append((indices, values))
+        self._unsettled[2].append((indices, values))
 
     def settle_residual(self) -> None:
         """Zero the entries this step sent, then add what it owes, in order."""
         assert self._unsettled is not None, "settled once a sparse step"
-        sent, owed = self._unsettled
+        sent, values, owed = self._unsettled
         self._unsettled = None
-        self.residual = self.ops.zero_then_add(self.residual, sent, owed)
+        self.residual = self.ops.zero_then_add(self.residual, sent, values, owed)
 
     def clear_residual(self) -> None:
         """Zero the residual: its mass reached the parameters some other way (a flush)."""

@@ -50,7 +50,7 @@ class SparseStages(PairStages):
         # Step 3: local selection; what is not selected stays in the residual.
         indices = self.selection.select(ops, accumulator, self.k)
         values = ops.take(accumulator, indices)
-        self.keep_unsent(accumulator, indices)
+        self.keep_unsent(accumulator, indices, values)
         if self.velocity is not None:
             self.velocity = ops.zero_at(self.velocity, indices)
         wire, ctx, lost = ops.compress(values, self.compression)

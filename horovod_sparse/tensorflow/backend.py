@@ -240,8 +240,8 @@ class TFBackend(HorovodPrimitives):
         addend = tf.SparseTensor(_rows(indices), tf.cast(values, buffer.dtype), _shape(buffer))
         return tf.sparse.add(buffer, addend)
 
-    def zero_then_add(self, buffer: tf.Tensor, zeroed: tf.Tensor, adds: Any) -> tf.Tensor:
-        return kernels.zero_then_add(buffer, zeroed, list(adds), self.zero_at, self.add_at)
+    def zero_then_add(self, buffer: Any, zeroed: Any, held: Any, adds: Any) -> tf.Tensor:
+        return kernels.zero_then_add(buffer, zeroed, held, list(adds), self.zero_at, self.add_at)
 
     def shift(self, indices: tf.Tensor, offset: int) -> tf.Tensor:
         return indices + tf.cast(offset, tf.int64)

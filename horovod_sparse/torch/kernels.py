@@ -197,9 +197,11 @@ class TorchKernels(HorovodPrimitives):
         self,
         buffer: torch.Tensor,
         zeroed: torch.Tensor,
+        held: torch.Tensor,
         adds: Sequence[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        # In place, each write is O(its indices): nothing to gain from joining them.
+        # In place, each write is O(its indices): nothing to gain from joining them, and
+        # nothing to cancel (``held`` is not needed).
         buffer = self.zero_at(buffer, zeroed)
         for indices, values in adds:
             buffer = self.add_at(buffer, indices, values)

@@ -254,13 +254,14 @@ def test_zero_then_add_leaves_the_bits_of_zero_at_then_each_add_in_turn(backend,
         for index, value in zip(indices, added):
             expected[index] += value
 
-    def run(buffer, sent, *flat):
+    def run(buffer, sent, held, *flat):
         pairs = list(zip(flat[0::2], flat[1::2]))
-        return ops.zero_then_add(buffer, sent, pairs)
+        return ops.zero_then_add(buffer, sent, held, pairs)
 
     flat = [to(array) for pair in adds for array in pair]
     bits = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
-    for got in _traced_too(ops, run, to(values.copy()), to(zeroed), *flat):
+    held = to(values[zeroed])  # as the step takes them before it sends them
+    for got in _traced_too(ops, run, to(values.copy()), to(zeroed), held, *flat):
         np.testing.assert_array_equal(back(got).view(bits), expected.view(bits))
 
 
