@@ -132,6 +132,7 @@ def main() -> None:
     if reuse:
         summary["refresh_fraction_after_50"] = reuse["refresh_fraction"]
         summary["kept_over_k_after_50"] = reuse["kept_over_k"]
+        summary["within_tenth_of_k_after_50"] = reuse["within_tenth_of_k"]
     if hvd.rank() == 0:
         print(json.dumps(summary))
         if args.json:

@@ -327,6 +327,10 @@ class Backend(Protocol):
         is ``lowest`` and whose median is ``middle``: the count doubles every
         ``middle - lowest`` keys down (keys step about evenly in log magnitude)."""
 
+    def shifted_key(self, key: Tensor, offset: Tensor, low: int, high: int) -> Tensor:
+        """``key + offset`` clamped to ``[low, high]``, in ``key``'s dtype (int32 scalars;
+        the sum is taken wider, so it does not wrap)."""
+
     def split_by_mask(self, mask: Tensor, *tensors: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """``([t[mask] ...], [t[~mask] ...])``."""
 

@@ -130,12 +130,14 @@ def progress_line(step: int, stats: StepStats, target_density: float) -> str:
 
 def settled_reuse(refreshed: list[bool], kept: list[int], k: int, settled: int) -> dict[str, Any]:
     """How the reused global threshold behaved after the first ``settled`` steps:
-    ``refresh_fraction`` (steps whose threshold refreshed) and ``kept_over_k`` (the
-    rows kept per step, over ``k``: min, mean, max). Empty when no step is left."""
+    ``refresh_fraction`` (steps whose threshold refreshed), ``kept_over_k`` (the
+    rows kept per step, over ``k``: min, mean, max) and ``within_tenth_of_k`` (the
+    fraction of steps that kept k rows within 10 %). Empty when no step is left."""
     late = kept[settled:]
     if not late:
         return {}
     return {
         "refresh_fraction": sum(refreshed[settled:]) / len(late),
         "kept_over_k": [min(late) / k, sum(late) / len(late) / k, max(late) / k],
+        "within_tenth_of_k": sum(abs(rows - k) <= 0.1 * k for rows in late) / len(late),
     }

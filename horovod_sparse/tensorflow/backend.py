@@ -9,7 +9,6 @@ host.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -314,12 +313,11 @@ class TFBackend(HorovodPrimitives):
     def larger_key(self, key: tf.Tensor, other: tf.Tensor) -> tf.Tensor:
         return tf.maximum(key, tf.cast(other, key.dtype))
 
-    def extrapolate_key(
-        self, lowest: tf.Tensor, middle: tf.Tensor, count: Any, k: Any
-    ) -> tf.Tensor:
-        ratio = tf.cast(k, tf.float64) / tf.cast(count, tf.float64)
-        below = tf.cast(middle - lowest, tf.float64) * (tf.math.log(ratio) / math.log(2.0))
-        return tf.cast(tf.round(tf.maximum(tf.cast(lowest, tf.float64) - below, 0.0)), tf.int32)
+    def extrapolate_key(self, lowest: tf.Tensor, middle: tf.Tensor, count: Any, k: Any) -> Any:
+        return kernels.extrapolate_key(lowest, middle, count, k)
+
+    def shifted_key(self, key: tf.Tensor, offset: tf.Tensor, low: int, high: int) -> tf.Tensor:
+        return kernels.shifted_key(key, offset, low, high)
 
     def concat(self, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
         return tf.concat(list(tensors), axis=0)

@@ -12,6 +12,7 @@ them.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import numpy as np
@@ -32,12 +33,14 @@ __all__ = [
     "add_scaled_into_slice",
     "bucket_gather",
     "cut_at",
+    "extrapolate_key",
     "host_kernels",
     "indices_at_least",
     "merge_runs",
     "on_host",
     "owner_major",
     "scheduled_budget",
+    "shifted_key",
     "top_k_mask",
     "unique_inverse",
     "zero_then_add",
@@ -140,6 +143,19 @@ def top_k_mask(magnitudes: tf.Tensor, k: Any) -> tf.Tensor:
     at = tf.equal(magnitudes, kth)
     room = k - tf.reduce_sum(tf.cast(above, tf.int64))
     return above | (at & (tf.cumsum(tf.cast(at, tf.int64)) <= room))
+
+
+def extrapolate_key(lowest: tf.Tensor, middle: tf.Tensor, count: Any, k: Any) -> tf.Tensor:
+    """``Backend.extrapolate_key``: the count doubles every ``middle - lowest`` keys down."""
+    ratio = tf.cast(k, tf.float64) / tf.cast(count, tf.float64)
+    below = tf.cast(middle - lowest, tf.float64) * (tf.math.log(ratio) / math.log(2.0))
+    return tf.cast(tf.round(tf.maximum(tf.cast(lowest, tf.float64) - below, 0.0)), tf.int32)
+
+
+def shifted_key(key: tf.Tensor, offset: tf.Tensor, low: int, high: int) -> tf.Tensor:
+    """``Backend.shifted_key``: ``key + offset`` in int64, clamped, in ``key``'s dtype."""
+    total = tf.cast(key, tf.int64) + tf.cast(offset, tf.int64)
+    return tf.cast(tf.clip_by_value(total, low, high), key.dtype)
 
 
 def scheduled_budget(numel: int, config: SparseConfig, step: Any) -> Any:

@@ -297,6 +297,12 @@ class TorchKernels(HorovodPrimitives):
         below = (middle - lowest).to(torch.float64) * math.log2(k / count)
         return (lowest.to(torch.float64) - below).clamp_min(0).round().to(torch.int32)
 
+    def shifted_key(
+        self, key: torch.Tensor, offset: torch.Tensor, low: int, high: int
+    ) -> torch.Tensor:
+        total = key.to(torch.int64) + offset.to(torch.int64)
+        return total.clamp(low, high).to(key.dtype)
+
     def concat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(tensors))
 

@@ -136,4 +136,5 @@ def test_settled_reuse_counts_only_the_steps_after_the_settled_ones():
     summary = settled_reuse(refreshed, kept, k=10, settled=2)
     assert summary["refresh_fraction"] == 0.25  # 1 of the last 4 steps
     assert summary["kept_over_k"] == [0.8, 1.0, 1.2]
+    assert summary["within_tenth_of_k"] == 0.5  # 10 and 10 of 8, 12, 10, 10
     assert settled_reuse(refreshed, kept, k=10, settled=6) == {}

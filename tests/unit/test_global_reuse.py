@@ -195,3 +195,87 @@ def test_a_restored_cap_is_the_saved_one_or_k(saved_cap, expected):
     reuse.load_state_dict(ops, state, ops.magnitude_keys(to(np.zeros(1, np.float32))))
     assert reuse.row_cap == expected
     assert int(reuse.key) == key_of(4.0) and not reuse.due
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_a_reused_key_that_was_too_high_is_lowered_by_a_quarter_of_its_misses(framework):
+    """The drift: a quarter of the mean of each two misses of a reused key added in,
+    never above 0, none learned on a refresh; it lowers the next key and travels in the
+    checkpoint."""
+    ops, to, _ = BACKENDS[framework]()
+    reuse = ReusedGlobalThreshold(refresh_steps=100)
+    keys = ops.magnitude_keys(to(np.array([5.0, -4.0, 3.0, 2.0, 1.0], np.float32)))
+    exact = lambda: global_threshold_key(ops, keys, 4, "t", OneRank())  # noqa: E731
+    model = {"drift": 0, "miss": 0}  # the rule, in Python ints (floor division)
+
+    def step(gathered: list[float], this_step: int) -> None:
+        """A reused step of k = 4 that gathered these rows, where k rows lay at
+        ``this_step``; checks the next key against the rule."""
+        used = int(reuse.key)
+        reuse.threshold(ops, keys, 4, exact)
+        assert not reuse.refreshed
+        reuse.observe(ops, to(np.array(gathered, np.float32)), 4, own_rows=len(gathered))
+        miss = this_step - used
+        paired = (miss // 2 + model["miss"] // 2) // 4
+        model.update(drift=min(0, model["drift"] + paired), miss=miss)
+        assert int(reuse.key) == this_step + model["drift"]
+        state = reuse.state_dict(ops)
+        assert (state["drift"], state["miss"]) == (model["drift"], model["miss"])
+
+    reuse.threshold(ops, keys, 4, exact)
+    assert reuse.refreshed  # the first step: exact, nothing to learn
+    reuse.observe(ops, to(np.array([-7.0, 6.0, 5.0, 4.5], np.float32)), 4, own_rows=4)
+    assert int(reuse.key) == key_of(4.5)
+    assert (reuse.state_dict(ops)["drift"], reuse.state_dict(ops)["miss"]) == (0, 0)
+    # The key of 4.5 gathered 2 rows of k = 4: their tail extended says k rows lay at
+    # 4.0 (see the first test). The key was too high: the next one is below 4.0.
+    step([-8.0, 6.0], key_of(4.0))
+    assert model["drift"] < 0 and int(reuse.key) < key_of(4.0)
+    # Too high again: the drift grows with the mean of the two misses.
+    step([-8.0, 6.0], key_of(4.0))
+    assert model["drift"] < (key_of(4.0) - key_of(4.5)) // 8
+    # A refresh learns nothing (its key is exact); the next key is still lowered.
+    reuse.due = True
+    reuse.threshold(ops, keys, 4, exact)
+    assert reuse.refreshed
+    reuse.observe(ops, to(np.array([-7.0, 6.0, 5.0, 4.5], np.float32)), 4, own_rows=4)
+    state = reuse.state_dict(ops)
+    assert (state["drift"], state["miss"]) == (model["drift"], model["miss"])
+    assert int(reuse.key) == key_of(4.5) + model["drift"]
+    # A checkpoint carries it; one from before the drift restores 0.
+    restored = ReusedGlobalThreshold(refresh_steps=100)
+    restored.load_state_dict(ops, reuse.state_dict(ops), keys)
+    assert restored.state_dict(ops) == reuse.state_dict(ops)
+    older = {k: v for k, v in reuse.state_dict(ops).items() if k not in ("drift", "miss")}
+    restored.load_state_dict(ops, older, keys)
+    assert (restored.state_dict(ops)["drift"], restored.state_dict(ops)["miss"]) == (0, 0)
+    # More than k rows came back: the misses are positive, the drift goes back towards 0
+    # but never above (the key is then the k-th gathered, exactly).
+    step([9.0, 8.0, 7.5, 7.0, 6.9], key_of(7.0))
+    step([9.0, 8.0, 7.5, 7.0, 6.9], key_of(7.0))
+    assert model["drift"] == 0 and int(reuse.key) == key_of(7.0)
+    # Misses one way and then the other: their mean.
+    step([-8.0, 6.0], key_of(4.0))
+    step([7.5, 7.2, 7.0, 6.0], key_of(6.0))
+    assert not reuse.due  # no step here refreshes after the first
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_a_shifted_key_is_the_clamped_sum_without_wrapping(framework):
+    ops, to, back = BACKENDS[framework]()
+    top = 2**31 - 1
+
+    def shifted(key: int, offset: int, low: int, high: int) -> int:
+        result = ops.shifted_key(
+            to(np.array(key, np.int32)), to(np.array(offset, np.int32)), low, high
+        )
+        value = np.asarray(back(result))
+        assert value.dtype == np.int32 and value.size == 1
+        return int(value.reshape(-1)[0])
+
+    assert shifted(top - 10, 100, 0, top) == top  # would wrap negative in int32
+    assert shifted(5, -10, 0, top) == 0
+    assert shifted(-top, -5, -top, 0) == -top
+    assert shifted(-8, 5, -top, 0) == -3
+    assert shifted(-8, 9, -top, 0) == 0
+    assert shifted(1000, -1, 0, top) == 999
