@@ -1,4 +1,7 @@
-"""One rank of a parallel test launch: run pytest on a file, write this rank's JUnit report."""
+"""One rank of a parallel test launch: run pytest on the files given, write this rank's
+JUnit report.
+
+Usage: parallel_worker.py REPORT_DIR FILE [FILE ...] [-k EXPR]"""
 
 import os
 import sys
@@ -6,7 +9,7 @@ import sys
 import pytest
 
 if __name__ == "__main__":
-    path, report_dir, *extra = sys.argv[1:]
+    report_dir, *pytest_args = sys.argv[1:]
     # horovodrun, torchrun, mpirun
     rank = (
         os.environ.get("HOROVOD_RANK")
@@ -14,12 +17,11 @@ if __name__ == "__main__":
         or os.environ.get("OMPI_COMM_WORLD_RANK", "0")
     )
     args = [
-        path,
+        *pytest_args,
         "-q",
         "-p",
         "no:cacheprovider",
         "--timeout=240",  # a hung collective fails this test instead of the whole launch
         f"--junitxml={report_dir}/rank{rank}.xml",
-        *extra,
     ]
     sys.exit(pytest.main(args))
