@@ -10,10 +10,11 @@ imports and Horovod start (about 10 s a file for torch and 20 s for TF at 2 rank
 cores, more at 4). ``--alone`` launches every file by itself.
 
 A test passes at size N only if it passed on every rank. Skipped tests, missing reports
-(a crashed rank), a file of which no test ran, and launches that exceed the timeout count
-as failures. Each rank gets the cores shared among the ranks as its thread count, as
-``torchrun`` gives (``rank_threads``). Prints a line per file and size, a pytest-style
-closing line, and exits non-zero on any failure.
+(a crashed rank), a file of which no test ran (without ``-k``), a launch in which none
+ran, and launches that exceed the timeout count as failures. Each rank gets the cores
+shared among the ranks as its thread count, as ``torchrun`` gives (``rank_threads``).
+Prints a line per file and size, a pytest-style closing line, and exits non-zero on any
+failure.
 
 Usage: python -m tests.run_parallel [-k EXPR] [--sizes 2,3,4] [--timeout 420] [--alone]
        [FILES...]
@@ -121,6 +122,32 @@ def file_of(test_id: str, group: list[Path]) -> Path | None:
     return None
 
 
+def report_by_file(
+    group: list[Path],
+    world_size: int,
+    outcomes: dict[str, str],
+    keyword: str | None,
+    launch_problems: list[str],
+) -> list[str]:
+    """Prints a line per file of the group; returns a message per test that did not pass,
+    and adds to ``launch_problems`` each file of which no test ran."""
+    by_file: dict[Path | None, dict[str, str]] = {path: {} for path in group}
+    for test_id, outcome in outcomes.items():
+        by_file.setdefault(file_of(test_id, group), {})[test_id] = outcome
+    messages = []
+    for path, results in by_file.items():
+        passed = sum(1 for o in results.values() if o == "passed")
+        where = f"{path.relative_to(ROOT) if path else 'outside the group'} [np={world_size}]"
+        print(f"{where}: {passed} passed, {len(results) - passed} failed", flush=True)
+        if path is not None and not results and keyword is None:
+            # With -k, a file may hold no test that matches: the group's others run.
+            launch_problems.append(f"no test of {path.name} ran")
+        for test_id, outcome in sorted(results.items()):
+            if outcome != "passed":
+                messages.append(f"{outcome.upper()} {where} {test_id}")
+    return messages
+
+
 def launch(
     group: list[Path], world_size: int, timeout: float, keyword: str | None
 ) -> tuple[int, int, list[str]]:
@@ -174,19 +201,9 @@ def launch(
         and all(o == "passed" for o in outcomes.values())
     ):
         launch_problems.append(f"the launcher exited with {proc.returncode}")
-    by_file: dict[Path | None, dict[str, str]] = {path: {} for path in group}
-    for test_id, outcome in outcomes.items():
-        by_file.setdefault(file_of(test_id, group), {})[test_id] = outcome
-    messages = []
-    for path, results in by_file.items():
-        passed = sum(1 for o in results.values() if o == "passed")
-        where = f"{path.relative_to(ROOT) if path else 'outside the group'} [np={world_size}]"
-        print(f"{where}: {passed} passed, {len(results) - passed} failed", flush=True)
-        if path is not None and not results:
-            launch_problems.append(f"no test of {path.name} ran")
-        for test_id, outcome in sorted(results.items()):
-            if outcome != "passed":
-                messages.append(f"{outcome.upper()} {where} {test_id}")
+    messages = report_by_file(group, world_size, outcomes, keyword, launch_problems)
+    if not outcomes:
+        launch_problems.append("no test ran")
     passed = sum(1 for o in outcomes.values() if o == "passed")
     failed = len(outcomes) - passed + len(launch_problems)
     status = "ok" if failed == 0 else "FAILED"
