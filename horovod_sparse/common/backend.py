@@ -137,6 +137,11 @@ class Backend(Protocol):
     def cond(self, pred: Any, then: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
         """``then()`` if ``pred`` else ``otherwise()``; both return the same structure."""
 
+    def select(self, pred: Any, then: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
+        """:meth:`cond` for a scalar whose two values are cheap and free of collectives:
+        a graph may compute both and pick one (no branch functions to build), where the
+        step runs its Python every time only the one chosen is computed."""
+
     def on_host(self, function: Callable[[list[int]], list[int]], counts: Tensor) -> Any:
         """``function`` of the host list of int ``counts``, at run time (a host round
         trip), as a host list or, in a graph, an int64 tensor."""

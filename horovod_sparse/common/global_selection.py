@@ -213,7 +213,7 @@ class ReusedGlobalThreshold:
         )
         # A refresh restarts the count of steps since the last one (0 * age: the
         # count's own type, a host int or an int64 variable).
-        age.set(ops.cond(self.refreshed, lambda: 0 * age.get(), age.get))
+        age.set(ops.select(self.refreshed, lambda: 0 * age.get(), age.get))
         return chosen
 
     def pair_thresholds(
@@ -226,20 +226,21 @@ class ReusedGlobalThreshold:
         self.refreshed = self.due_for(k)
         shared = ops.cond(self.refreshed, exact, key.get)
 
-        def owner_threshold(owner_keys: Tensor, cap: Cell) -> Tensor:
-            def reused() -> Tensor:
-                return self.capped(ops, owner_keys, shared, cap.get())
-
-            return ops.cond(self.refreshed, lambda: shared, reused)
-
-        chosen = [owner_threshold(owner_keys, cap) for owner_keys, cap in zip(keys, caps)]
-        age.set(ops.cond(self.refreshed, lambda: 0 * age.get(), age.get))
+        # A refresh is never capped: each owner takes one decision, raise or keep.
+        chosen = [
+            self.capped(ops, owner_keys, shared, cap.get(), uncapped=self.refreshed)
+            for owner_keys, cap in zip(keys, caps)
+        ]
+        age.set(ops.select(self.refreshed, lambda: 0 * age.get(), age.get))
         return chosen
 
     @staticmethod
-    def capped(ops: Backend, keys: Tensor, threshold: Tensor, cap: Any) -> Tensor:
+    def capped(
+        ops: Backend, keys: Tensor, threshold: Tensor, cap: Any, uncapped: Any = False
+    ) -> Tensor:
         """``threshold`` raised, where needed, so that at most about ``cap`` of this
-        owner's ``keys`` reach it (ties at the cut all pass).
+        owner's ``keys`` reach it (ties at the cut all pass); as it is where
+        ``uncapped`` holds.
 
         The cap-th largest key changes which keys reach the threshold only when more
         than ``cap`` do, so those are counted first (where the backend counts without a
@@ -247,10 +248,11 @@ class ReusedGlobalThreshold:
         in its region, are about 1.6 caps, of which about 0.8 caps reach a reused
         threshold; finding that key among 170K took 1.4 ms (one CPU thread), counting
         them 0.1."""
+        over = ops.select(
+            uncapped, lambda: False, lambda: ops.count_reaching(keys, threshold) > cap
+        )
         return ops.cond(
-            ops.count_reaching(keys, threshold) > cap,
-            lambda: ops.larger_key(threshold, ops.kth_largest(keys, cap)),
-            lambda: threshold,
+            over, lambda: ops.larger_key(threshold, ops.kth_largest(keys, cap)), lambda: threshold
         )
 
     def observe(
@@ -270,7 +272,7 @@ class ReusedGlobalThreshold:
         # ``shared``: the gathered count, at least share_floor * k (0 * count + floor:
         # the count's own type, so both branches of a graph cond agree).
         floor = ops.scaled_count(k, self.share_floor, rounding="ceil")
-        shared = ops.cond(count < floor, lambda: 0 * count + floor, lambda: count)
+        shared = ops.select(count < floor, lambda: 0 * count + floor, lambda: count)
         margin_num, margin_den = self.band[1].as_integer_ratio()
         share_den = margin_den * (shared + 1)
 
@@ -326,8 +328,8 @@ class ReusedGlobalThreshold:
             paired = (miss // 2 + last_miss.get() // 2) // DRIFT_GAIN
             return ops.shifted_key(drift.get(), paired, -KEY_LIMIT, 0)
 
-        drift.set(ops.cond(self.refreshed, drift.get, drifted))
-        last_miss.set(ops.cond(self.refreshed, last_miss.get, lambda: miss))
+        drift.set(ops.select(self.refreshed, drift.get, drifted))
+        last_miss.set(ops.select(self.refreshed, last_miss.get, lambda: miss))
         key.set(ops.shifted_key(this_step, drift.get(), 0, KEY_LIMIT))
         low = ops.scaled_count(k, self.band[0], rounding="ceil")
         # Fewer than 2 rows have no tail to extend: the key stayed, so refresh.

@@ -130,12 +130,17 @@ class ThresholdSelection:
         low = ops.scaled_count(k, self.band[0], rounding="ceil")
         high = ops.scaled_count(k, self.band[1], rounding="floor")
         calls = calls_cell.get()
-        # Step 1: estimate when due; otherwise reuse the last threshold.
-        threshold = ops.cond(
-            stale_cell.get() | (calls % self.reestimate_steps == 0),
-            lambda: self._estimate(ops, accumulator, k, numel, calls),
-            threshold_cell.get,
-        )
+
+        # Step 1: estimate when due; otherwise reuse the last threshold. Due every call
+        # at reestimate_steps=1 (the default): no decision to take, and none to trace.
+        def estimate() -> Tensor:
+            return self._estimate(ops, accumulator, k, numel, calls)
+
+        if self.reestimate_steps == 1:
+            threshold = estimate()
+        else:
+            due = stale_cell.get() | (calls % self.reestimate_steps == 0)
+            threshold = ops.cond(due, estimate, threshold_cell.get)
         threshold_cell.set(threshold)
         calls_cell.set(calls + 1)
         # Step 2: one pass above the threshold.
@@ -143,24 +148,22 @@ class ThresholdSelection:
         count = ops.num_rows(candidates)
         stale_cell.set((count < low) | (count > high))  # drifted: re-estimate next call
 
-        # Step 3: accept, trim, or (too few to send) correct the threshold now.
-        def accept(found: Tensor, found_count: Any) -> Tensor:
-            return ops.cond(
-                found_count > high, lambda: ops.top_of(accumulator, found, k), lambda: found
-            )
-
+        # Step 3: too few to send: correct the threshold now (exact topk as the last
+        # resort); then trim a count above the band to the k largest. The exact topk is
+        # never trimmed (its k entries are the k largest of themselves), so one trim
+        # serves every path and a graph builds its topk over the candidates once.
         def estimate_again() -> Tensor:
             corrected = self._estimate(ops, accumulator, k, numel, calls + 1)
             threshold_cell.set(corrected)
             found = ops.indices_at_least(accumulator, corrected)
-            found_count = ops.num_rows(found)
             return ops.cond(
-                found_count < low,
-                lambda: ops.topk_indices(accumulator, k),
-                lambda: accept(found, found_count),
+                ops.num_rows(found) < low, lambda: ops.topk_indices(accumulator, k), lambda: found
             )
 
-        return ops.cond(count < low, estimate_again, lambda: accept(candidates, count))
+        chosen = ops.cond(count < low, estimate_again, lambda: candidates)
+        return ops.cond(
+            ops.num_rows(chosen) > high, lambda: ops.top_of(accumulator, chosen, k), lambda: chosen
+        )
 
     def state_dict(self) -> dict[str, Any]:
         if self._cells is None:

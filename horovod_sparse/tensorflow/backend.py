@@ -58,6 +58,15 @@ class TFBackend(HorovodPrimitives):
             return then() if pred else otherwise()
         return tf.cond(pred, then, otherwise)
 
+    def select(self, pred: Any, then: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
+        if isinstance(pred, (bool, np.bool_)):
+            return then() if pred else otherwise()
+        # Both computed, one kept: a tf.cond would build two branch functions (about
+        # nine ops and two function graphs to trace, instantiate and optimize).
+        chosen, other = then(), otherwise()
+        dtype = chosen.dtype if tf.is_tensor(chosen) else other.dtype
+        return tf.where(pred, tf.cast(chosen, dtype), tf.cast(other, dtype))
+
     def all_of(self, flags: Sequence[Any]) -> Any:
         if all(isinstance(flag, (bool, np.bool_)) for flag in flags):
             return all(flags)
@@ -113,6 +122,8 @@ class TFBackend(HorovodPrimitives):
         return int(tensor.shape[0])
 
     def num_rows(self, tensor: tf.Tensor) -> tf.Tensor:
+        if tensor.shape.rank == 1:
+            return tf.size(tensor, out_type=tf.int64)  # one op, where a slice takes five
         return tf.shape(tensor, out_type=tf.int64)[0]
 
     def itemsize(self, tensor: tf.Tensor) -> int:
@@ -296,7 +307,7 @@ class TFBackend(HorovodPrimitives):
         self, histogram: tf.Tensor, remaining: tf.Tensor, prefix: tf.Tensor, shift: int
     ) -> tuple[tf.Tensor, tf.Tensor]:
         counts = tf.cast(histogram, tf.int64)
-        at_least = tf.reverse(tf.cumsum(tf.reverse(counts, [0])), [0])  # #digits >= d
+        at_least = tf.cumsum(counts, reverse=True)  # #digits >= d
         digit = tf.maximum(tf.reduce_sum(tf.cast(at_least >= remaining, tf.int64)) - 1, 0)
         greater = tf.gather(at_least, digit) - tf.gather(counts, digit)
         new_prefix = tf.bitwise.bitwise_or(

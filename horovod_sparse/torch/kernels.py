@@ -55,6 +55,8 @@ class TorchKernels(HorovodPrimitives):
     def cond(self, pred: Any, then: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
         return then() if pred else otherwise()
 
+    select = cond  # the step runs its Python every time: only the chosen value is computed
+
     def on_host(self, function: Callable[[list[int]], list[int]], counts: torch.Tensor) -> Any:
         return function(counts.tolist())
 
