@@ -24,7 +24,6 @@ from horovod_sparse.tensorflow.kernels import VariableCell, scheduled_budget, to
 
 __all__ = ["BACKEND", "TFBackend", "VariableCell"]  # VariableCell: from kernels.py
 
-_HISTOGRAM_BINS = 256
 # tf.math.round rounds half to even, as Python's round does on the host.
 _ROUNDINGS = {"ceil": tf.math.ceil, "floor": tf.math.floor, "round": tf.math.round}
 
@@ -293,27 +292,12 @@ class TFBackend(HorovodPrimitives):
         return tf.zeros([], tf.int32), tf.cast(k, tf.int64)  # k: a host int or a graph scalar
 
     def digit_histogram(self, keys: tf.Tensor, prefix: tf.Tensor, shift: int) -> tf.Tensor:
-        digit = tf.bitwise.bitwise_and(tf.bitwise.right_shift(keys, shift), _HISTOGRAM_BINS - 1)
-        if shift + 8 < 32:
-            high = shift + 8
-            active = tf.equal(
-                tf.bitwise.right_shift(keys, high), tf.bitwise.right_shift(prefix, high)
-            )
-            digit = tf.where(active, digit, _HISTOGRAM_BINS)  # bin 256: not in the running
-        counts = tf.math.unsorted_segment_sum(tf.ones_like(digit), digit, _HISTOGRAM_BINS + 1)
-        return counts[:_HISTOGRAM_BINS]
+        return kernels.digit_histogram(keys, prefix, shift)
 
     def choose_digit(
         self, histogram: tf.Tensor, remaining: tf.Tensor, prefix: tf.Tensor, shift: int
     ) -> tuple[tf.Tensor, tf.Tensor]:
-        counts = tf.cast(histogram, tf.int64)
-        at_least = tf.cumsum(counts, reverse=True)  # #digits >= d
-        digit = tf.maximum(tf.reduce_sum(tf.cast(at_least >= remaining, tf.int64)) - 1, 0)
-        greater = tf.gather(at_least, digit) - tf.gather(counts, digit)
-        new_prefix = tf.bitwise.bitwise_or(
-            prefix, tf.bitwise.left_shift(tf.cast(digit, tf.int32), shift)
-        )
-        return new_prefix, remaining - greater
+        return kernels.choose_digit(histogram, remaining, prefix, shift)
 
     def mask_at_least(self, keys: tf.Tensor, threshold: tf.Tensor) -> tf.Tensor:
         return keys >= threshold

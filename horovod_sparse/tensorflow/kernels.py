@@ -32,7 +32,9 @@ __all__ = [
     "VariableCell",
     "add_scaled_into_slice",
     "bucket_gather",
+    "choose_digit",
     "cut_at",
+    "digit_histogram",
     "extrapolate_key",
     "host_kernels",
     "indices_at_least",
@@ -143,6 +145,35 @@ def top_k_mask(magnitudes: tf.Tensor, k: Any) -> tf.Tensor:
     at = tf.equal(magnitudes, kth)
     room = k - tf.reduce_sum(tf.cast(above, tf.int64))
     return above | (at & (tf.cumsum(tf.cast(at, tf.int64)) <= room))
+
+
+_HISTOGRAM_BINS = 256
+
+
+def digit_histogram(keys: tf.Tensor, prefix: tf.Tensor, shift: int) -> tf.Tensor:
+    """``Backend.digit_histogram``: the keys still in the running by their digit at
+    ``shift``."""
+    digit = tf.bitwise.bitwise_and(tf.bitwise.right_shift(keys, shift), _HISTOGRAM_BINS - 1)
+    if shift + 8 < 32:
+        high = shift + 8
+        active = tf.equal(tf.bitwise.right_shift(keys, high), tf.bitwise.right_shift(prefix, high))
+        digit = tf.where(active, digit, _HISTOGRAM_BINS)  # bin 256: not in the running
+    counts = tf.math.unsorted_segment_sum(tf.ones_like(digit), digit, _HISTOGRAM_BINS + 1)
+    return counts[:_HISTOGRAM_BINS]
+
+
+def choose_digit(
+    histogram: tf.Tensor, remaining: tf.Tensor, prefix: tf.Tensor, shift: int
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """``Backend.choose_digit``: the digit at ``shift`` of the key ``remaining`` keys down."""
+    counts = tf.cast(histogram, tf.int64)
+    at_least = tf.cumsum(counts, reverse=True)  # #digits >= d
+    digit = tf.maximum(tf.reduce_sum(tf.cast(at_least >= remaining, tf.int64)) - 1, 0)
+    greater = tf.gather(at_least, digit) - tf.gather(counts, digit)
+    new_prefix = tf.bitwise.bitwise_or(
+        prefix, tf.bitwise.left_shift(tf.cast(digit, tf.int32), shift)
+    )
+    return new_prefix, remaining - greater
 
 
 def extrapolate_key(lowest: tf.Tensor, middle: tf.Tensor, count: Any, k: Any) -> tf.Tensor:
