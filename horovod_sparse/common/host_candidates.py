@@ -1,5 +1,6 @@
 """The candidate pass of the threshold selection in NumPy, on the host: the ascending
-positions whose magnitude reaches the threshold, NaN included.
+positions whose magnitude reaches the threshold, NaN included; and the owner's distinct
+received indices (:func:`numpy_unique_inverse`).
 
 Both backends run it on CPU buckets where their kernels have at most
 :data:`HOST_PASS_THREADS` threads: torch on a view of the tensor's memory
@@ -25,6 +26,7 @@ __all__ = [
     "cores_available",
     "local_ranks_from_environment",
     "numpy_indices_at_least",
+    "numpy_unique_inverse",
     "thread_scratch",
     "threads_per_rank",
 ]
@@ -120,3 +122,26 @@ def numpy_indices_at_least(
         return np.zeros(0, np.int64)
     flat = found[0] if len(found) == 1 else np.concatenate(found)
     return flat.astype(np.int64, copy=False)
+
+
+def numpy_unique_inverse(indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(distinct values ascending, position of each input among them)`` of the 1-D int
+    array ``indices``, both int64: ``np.unique(indices, return_inverse=True)``.
+
+    A stable argsort: NumPy's for 64-bit integers is a timsort, which finds the runs
+    an owner receives (each rank's rows ascend) and merges them instead of sorting.
+    2 runs, one thread: 24K indices 0.35 against 1.7 ms for ``torch.unique``'s sort;
+    340K 5.7-6.7 against 20 ms.
+    """
+    if indices.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    order = np.argsort(indices, kind="stable")
+    ascending = indices[order]
+    starts = np.empty(ascending.size, np.bool_)
+    starts[0] = True
+    np.not_equal(ascending[1:], ascending[:-1], out=starts[1:])
+    group = np.cumsum(starts, dtype=np.int64)
+    group -= 1
+    inverse = np.empty(indices.size, np.int64)
+    inverse[order] = group
+    return ascending[starts].astype(np.int64, copy=False), inverse

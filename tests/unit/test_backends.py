@@ -404,3 +404,47 @@ def test_tf_unique_inverse_merges_known_runs_and_sorts_when_their_number_is_unkn
     ):
         np.testing.assert_array_equal(distinct.numpy(), expected_distinct)
         np.testing.assert_array_equal(position.numpy(), expected_position)
+
+
+def test_torch_unique_inverse_is_numpys_unique_on_the_host_path_and_on_torchs(monkeypatch):
+    """At up to HOST_PASS_THREADS threads a CPU owner's received indices go through
+    NumPy's stable sort, above through torch.unique: both give np.unique's answer."""
+    import torch
+
+    from horovod_sparse.common import host_candidates
+    from horovod_sparse.torch import kernels as kernels_module
+    from horovod_sparse.torch.kernels import TorchKernels
+
+    host_calls: list[int] = []
+
+    def counted(indices):
+        host_calls.append(indices.size)
+        return host_candidates.numpy_unique_inverse(indices)
+
+    monkeypatch.setattr(kernels_module, "numpy_unique_inverse", counted)
+    rng = np.random.default_rng(3)
+    overlapping = [np.sort(rng.choice(400, n, replace=False)) for n in (150, 0, 220, 90)]
+    cases = [
+        (np.concatenate(overlapping), [len(run) for run in overlapping]),
+        (rng.integers(0, 50, 300), None),  # unordered, repeated
+        (np.array([7, 7, 7]), [1, 1, 1]),
+        (np.array([5]), [1]),
+        (np.zeros(0, np.int64), [0, 0]),
+    ]
+    kernels = TorchKernels()
+    before = torch.get_num_threads()
+    try:
+        for threads, host in ((1, True), (host_candidates.HOST_PASS_THREADS + 1, False)):
+            torch.set_num_threads(threads)
+            host_calls.clear()
+            for indices, runs in cases:
+                expected_distinct, expected_position = np.unique(indices, return_inverse=True)
+                distinct, position = kernels.unique_inverse(
+                    torch.from_numpy(indices.astype(np.int64)), runs
+                )
+                assert (distinct.dtype, position.dtype) == (torch.int64, torch.int64)
+                np.testing.assert_array_equal(distinct.numpy(), expected_distinct)
+                np.testing.assert_array_equal(position.numpy(), expected_position.ravel())
+            assert len(host_calls) == (len(cases) if host else 0), (threads, host_calls)
+    finally:
+        torch.set_num_threads(before)
