@@ -22,6 +22,10 @@ if __name__ == "__main__":
         "-p",
         "no:cacheprovider",
         "--timeout=240",  # a hung collective fails this test instead of the whole launch
+        # Python's output is kept per test; what C++ writes to the descriptors (Horovod's
+        # and Gloo's errors, an abort's message) reaches the launch's output even when
+        # the process dies, where a captured descriptor's content would be lost.
+        "--capture=sys",
         f"--junitxml={report_dir}/rank{rank}.xml",
     ]
     sys.exit(pytest.main(args))

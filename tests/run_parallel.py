@@ -14,7 +14,8 @@ A test passes at size N only if it passed on every rank. Skipped tests, missing 
 ran, and launches that exceed the timeout count as failures. Each rank gets the cores
 shared among the ranks as its thread count, as ``torchrun`` gives (``rank_threads``).
 Prints a line per file and size, a pytest-style closing line, and exits non-zero on any
-failure.
+failure; a failed launch prints each rank's last lines and keeps its whole output under
+``results/parallel-logs/``.
 
 Usage: python -m tests.run_parallel [-k EXPR] [--sizes 2,3,4] [--timeout 420] [--alone]
        [FILES...]
@@ -211,9 +212,49 @@ def launch(
     print(summary, flush=True)
     messages += [f"FAILED {label}: {p}" for p in problems + launch_problems]
     if failed:
-        tail = "\n".join(output.splitlines()[-80:])
-        messages.append(f"---- output of {label} (last 80 lines) ----\n{tail}")
+        log = save_output(output, group, world_size)
+        messages.append(
+            f"---- output of {label}, the last {TAIL_LINES} lines of each rank "
+            f"(all of it: {log}) ----\n{output_tails(output)}"
+        )
     return passed, failed, messages
+
+
+# Lines of each rank's output a failed launch prints. One rank's abort can come long
+# before the other ranks stop writing, so a tail of the whole interleaved output can miss
+# it: each rank's own tail keeps it.
+TAIL_LINES = 60
+_RANK_PREFIX = re.compile(r"^\[(\d+)\]<(?:stdout|stderr)>:")
+
+
+def output_tails(output: str, lines: int = TAIL_LINES) -> str:
+    """The last ``lines`` lines of each rank's output (``horovodrun``'s ``[N]<stdout>:``
+    prefixes; ``torchrun``'s and the launcher's own lines as one more stream), in rank
+    order."""
+    streams: dict[str, list[str]] = {}
+    for line in output.splitlines():
+        match = _RANK_PREFIX.match(line)
+        streams.setdefault(f"rank {match.group(1)}" if match else "unprefixed", []).append(line)
+
+    def order(name: str) -> tuple[int, int]:
+        return (0, int(name.split()[1])) if name.startswith("rank ") else (1, 0)
+
+    parts = []
+    for name in sorted(streams, key=order):
+        kept = streams[name][-lines:]
+        parts.append(f"-- {name}: {len(kept)} of {len(streams[name])} lines --")
+        parts += kept
+    return "\n".join(parts)
+
+
+def save_output(output: str, group: list[Path], world_size: int) -> Path:
+    """Write a failed launch's whole output under ``results/parallel-logs/``; its path."""
+    folder = ROOT / "results" / "parallel-logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = "+".join(path.stem for path in group)[:150]
+    log = folder / f"{stem}.np{world_size}.{time.strftime('%Y%m%d-%H%M%S')}.log"
+    log.write_text(output)
+    return log
 
 
 def main() -> int:

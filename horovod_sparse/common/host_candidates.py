@@ -1,6 +1,7 @@
 """The candidate pass of the threshold selection in NumPy, on the host: the ascending
 positions whose magnitude reaches the threshold, NaN included; and the owner's distinct
-received indices (:func:`numpy_unique_inverse`).
+received indices (:func:`numpy_unique_inverse`) and the k-th largest of the global
+selection's integer magnitude keys (:func:`numpy_kth_largest`).
 
 Both backends run it on CPU buckets where their kernels have at most
 :data:`HOST_PASS_THREADS` threads: torch on a view of the tensor's memory
@@ -26,6 +27,7 @@ __all__ = [
     "cores_available",
     "local_ranks_from_environment",
     "numpy_indices_at_least",
+    "numpy_kth_largest",
     "numpy_unique_inverse",
     "thread_scratch",
     "threads_per_rank",
@@ -145,3 +147,15 @@ def numpy_unique_inverse(indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     inverse = np.empty(indices.size, np.int64)
     inverse[order] = group
     return ascending[starts].astype(np.int64, copy=False), inverse
+
+
+def numpy_kth_largest(keys: np.ndarray, k: int) -> np.ndarray:
+    """The ``k``-th largest of the 1-D integer array ``keys`` (1 <= k <= its length), a
+    0-d array of its dtype. ``np.partition``'s selection (SIMD where the CPU has it)
+    beat both frameworks' (one thread, int32, medians of 30): 24K keys, k = 12K: 0.016
+    ms against 0.22 for ``torch.topk``; 170K keys, k = 100: 0.07 against 0.55; 340K, k =
+    168K: 0.19 against 6.0."""
+    count = keys.size
+    if not 1 <= k <= count:
+        raise ValueError(f"the {k}-th largest of {count} keys")
+    return np.asarray(np.partition(keys, count - k)[count - k])

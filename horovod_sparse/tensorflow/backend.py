@@ -208,6 +208,8 @@ class TFBackend(HorovodPrimitives):
         return tf.abs(tf.gather(values, positions))
 
     def kth_largest(self, values: tf.Tensor, k: Any) -> tf.Tensor:
+        if values.dtype.is_integer and kernels.host_kernels():  # the global selection's keys
+            return kernels.host_kth_largest(values, k)
         return tf.raw_ops.NthElement(input=values, n=tf.cast(k - 1, tf.int32), reverse=True)
 
     def indices_at_least(self, values: tf.Tensor, threshold: tf.Tensor) -> tf.Tensor:

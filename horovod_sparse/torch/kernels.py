@@ -28,7 +28,11 @@ from typing import Any, Callable
 import torch
 
 from horovod_sparse.common.backend import HorovodPrimitives, HostCell
-from horovod_sparse.common.host_candidates import HOST_PASS_THREADS, numpy_unique_inverse
+from horovod_sparse.common.host_candidates import (
+    HOST_PASS_THREADS,
+    numpy_kth_largest,
+    numpy_unique_inverse,
+)
 from horovod_sparse.torch.candidates import cpu_indices_at_least
 from horovod_sparse.torch.threads import LocalThreads, local_ranks_from_environment
 
@@ -154,6 +158,12 @@ class TorchKernels(HorovodPrimitives):
         return values[start : start + size * stride : stride].abs()
 
     def kth_largest(self, values: torch.Tensor, k: int) -> torch.Tensor:
+        if (
+            values.device.type == "cpu"
+            and not values.is_floating_point()  # the global selection's keys
+            and torch.get_num_threads() <= HOST_PASS_THREADS
+        ):
+            return torch.from_numpy(numpy_kth_largest(values.numpy(), int(k)))
         return torch.topk(values, k, sorted=False).values.min()
 
     def indices_at_least(self, values: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:

@@ -448,3 +448,34 @@ def test_torch_unique_inverse_is_numpys_unique_on_the_host_path_and_on_torchs(mo
             assert len(host_calls) == (len(cases) if host else 0), (threads, host_calls)
     finally:
         torch.set_num_threads(before)
+
+
+def test_kth_largest_of_keys_and_of_values_on_every_path(backend):
+    """The global selection's int32 keys (NumPy's partition on the host, the framework's
+    selection otherwise) and a float sample (always the framework's): the k-th largest,
+    ties counted, traced too under TF."""
+    import torch
+
+    from horovod_sparse.common import host_candidates
+
+    ops, to, back = backend
+    rng = np.random.default_rng(5)
+    distinct = rng.permutation(1001).astype(np.int32)
+    tied = rng.integers(0, 300, 1001).astype(np.int32)
+    values = rng.standard_normal(513).astype(np.float32)
+    cases = [(keys, k) for keys in (distinct, tied) for k in (1, 2, 500, 1000, 1001)]
+    cases += [(values, k) for k in (1, 77, 513)]
+    torch_threads = [1, host_candidates.HOST_PASS_THREADS + 1]  # NumPy, then torch.topk
+    before = torch.get_num_threads()
+    try:
+        for threads in torch_threads if type(ops).__name__ == "TorchBackend" else [None]:
+            if threads is not None:
+                torch.set_num_threads(threads)
+            for array, k in cases:
+                expected = np.sort(array)[::-1][k - 1]
+                for kth in _traced_too(ops, ops.kth_largest, to(array), k):
+                    got = np.asarray(back(kth))
+                    assert got.shape == () and got.dtype == array.dtype, (got.shape, got.dtype)
+                    assert got == expected, (threads, k, got, expected)
+    finally:
+        torch.set_num_threads(before)

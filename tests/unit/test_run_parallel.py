@@ -3,7 +3,7 @@
 
 from pathlib import Path
 
-from tests.run_parallel import HERE, file_of, launch_groups, parse_reports
+from tests.run_parallel import HERE, file_of, launch_groups, output_tails, parse_reports
 
 
 def write(folder: Path, name: str, text: str) -> Path:
@@ -56,3 +56,25 @@ def test_a_test_passes_only_if_it_passed_on_every_rank(tmp_path):
         f"rank 2 did not run {test_id}" for test_id in sorted(outcomes)
     ]
     assert set(outcomes.values()) == {"failed"}
+
+
+def test_a_failed_launch_shows_each_ranks_own_tail():
+    """A rank that aborted early keeps its last lines even when the other ranks wrote
+    far more after it."""
+    lines = ["[1]<stderr>:terminate called: the cause", "[1]<stderr>:Fatal Python error: Aborted"]
+    lines += [f"[0]<stdout>:rank 0 line {i}" for i in range(500)]
+    lines += ["mpirun noticed that a rank exited", "[2]<stdout>:rank 2 last"]
+    shown = output_tails("\n".join(lines), lines=3).splitlines()
+    assert shown == [
+        "-- rank 0: 3 of 500 lines --",
+        "[0]<stdout>:rank 0 line 497",
+        "[0]<stdout>:rank 0 line 498",
+        "[0]<stdout>:rank 0 line 499",
+        "-- rank 1: 2 of 2 lines --",
+        "[1]<stderr>:terminate called: the cause",
+        "[1]<stderr>:Fatal Python error: Aborted",
+        "-- rank 2: 1 of 1 lines --",
+        "[2]<stdout>:rank 2 last",
+        "-- unprefixed: 1 of 1 lines --",
+        "mpirun noticed that a rank exited",
+    ]
