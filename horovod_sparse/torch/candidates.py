@@ -17,7 +17,7 @@ from horovod_sparse.common.host_candidates import (
     thread_scratch,
 )
 
-__all__ = ["cpu_indices_at_least"]
+__all__ = ["cpu_indices_at_least", "numpy_serves"]
 
 # Floats per chunk of either pass (see host_candidates.CANDIDATE_CHUNK).
 _CANDIDATE_CHUNK = CANDIDATE_CHUNK
@@ -63,8 +63,17 @@ def _torch_indices_at_least(values: torch.Tensor, threshold: torch.Tensor) -> to
     return found[0] if len(found) == 1 else torch.cat(found)
 
 
-# The pass runs in NumPy at up to this many threads (host_candidates.HOST_PASS_THREADS).
+# The host kernels run at up to this many torch threads (host_candidates.HOST_PASS_THREADS).
 _NUMPY_CANDIDATE_THREADS = HOST_PASS_THREADS
+
+
+def numpy_serves(tensor: torch.Tensor) -> bool:
+    """Whether the NumPy host kernels (``common/host_candidates``) take ``tensor``: on
+    the CPU, with torch at up to ``HOST_PASS_THREADS`` threads (above, torch's parallel
+    kernels)."""
+    return tensor.device.type == "cpu" and torch.get_num_threads() <= _NUMPY_CANDIDATE_THREADS
+
+
 # The dtypes NumPy has (host_candidates.HOST_DTYPES); bfloat16 stays in torch.
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 
@@ -79,6 +88,6 @@ def _numpy_indices_at_least(values: torch.Tensor, threshold: torch.Tensor) -> to
 def cpu_indices_at_least(values: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     """Ascending int64 positions of the CPU tensor ``values`` whose magnitude is at least
     ``threshold`` (a value of its dtype), NaN included."""
-    if values.dtype in _NUMPY_DTYPES and torch.get_num_threads() <= _NUMPY_CANDIDATE_THREADS:
+    if values.dtype in _NUMPY_DTYPES and numpy_serves(values):
         return _numpy_indices_at_least(values, threshold)
     return _torch_indices_at_least(values, threshold)

@@ -28,12 +28,8 @@ from typing import Any, Callable
 import torch
 
 from horovod_sparse.common.backend import HorovodPrimitives, HostCell
-from horovod_sparse.common.host_candidates import (
-    HOST_PASS_THREADS,
-    numpy_kth_largest,
-    numpy_unique_inverse,
-)
-from horovod_sparse.torch.candidates import cpu_indices_at_least
+from horovod_sparse.common.host_candidates import numpy_kth_largest, numpy_unique_inverse
+from horovod_sparse.torch.candidates import cpu_indices_at_least, numpy_serves
 from horovod_sparse.torch.threads import LocalThreads, local_ranks_from_environment
 
 __all__ = ["TorchKernels"]
@@ -158,11 +154,7 @@ class TorchKernels(HorovodPrimitives):
         return values[start : start + size * stride : stride].abs()
 
     def kth_largest(self, values: torch.Tensor, k: int) -> torch.Tensor:
-        if (
-            values.device.type == "cpu"
-            and not values.is_floating_point()  # the global selection's keys
-            and torch.get_num_threads() <= HOST_PASS_THREADS
-        ):
+        if not values.is_floating_point() and numpy_serves(values):  # the selection's keys
             return torch.from_numpy(numpy_kth_largest(values.numpy(), int(k)))
         return torch.topk(values, k, sorted=False).values.min()
 
@@ -261,7 +253,7 @@ class TorchKernels(HorovodPrimitives):
     def unique_inverse(
         self, indices: torch.Tensor, runs: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if indices.device.type == "cpu" and torch.get_num_threads() <= HOST_PASS_THREADS:
+        if numpy_serves(indices):
             # NumPy's stable sort merges the ranks' ascending runs (host_candidates).
             distinct, inverse = numpy_unique_inverse(indices.numpy())
             return torch.from_numpy(distinct), torch.from_numpy(inverse)
