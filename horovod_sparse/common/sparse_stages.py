@@ -48,8 +48,9 @@ class SparseStages(PairStages):
         """
         ops = self.ops
         # Step 3: local selection; what is not selected stays in the residual.
-        indices = self.selection.select(ops, accumulator, self.k)
-        values = ops.take(accumulator, indices)
+        current = ops.value_of(accumulator)
+        indices = self.selection.select(ops, current, self.k)
+        values = ops.take(current, indices)
         self.keep_unsent(accumulator, indices, values)
         if self.velocity is not None:
             self.velocity = ops.zero_at(self.velocity, indices)

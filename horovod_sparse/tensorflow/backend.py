@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from horovod_sparse.common.backend import HorovodPrimitives
 from horovod_sparse.common.config import SparseConfig
-from horovod_sparse.tensorflow import kernels
+from horovod_sparse.tensorflow import kernels, residual_variable
 from horovod_sparse.tensorflow.kernels import VariableCell, scheduled_budget, top_k_mask
 
 __all__ = ["BACKEND", "TFBackend", "VariableCell"]  # VariableCell: from kernels.py
@@ -130,7 +130,7 @@ class TFBackend(HorovodPrimitives):
 
     def add_scaled_(self, buffer: tf.Tensor, tensor: tf.Tensor, factor: float) -> tf.Tensor:
         flat = tf.cast(tf.reshape(tensor, [-1]), buffer.dtype)
-        return buffer + (flat if factor == 1.0 else flat * factor)
+        return residual_variable.add_to(buffer, flat if factor == 1.0 else flat * factor)
 
     def add_scaled_at_(
         self, buffer: tf.Tensor, offset: int, tensor: tf.Tensor, factor: float
@@ -171,6 +171,9 @@ class TFBackend(HorovodPrimitives):
 
     def copy(self, tensor: tf.Tensor) -> tf.Tensor:
         return tf.identity(tensor)
+
+    def value_of(self, buffer: Any) -> tf.Tensor:
+        return tf.convert_to_tensor(buffer)
 
     def assign(self, buffer: tf.Tensor, source: Any) -> tf.Tensor:
         return tf.cast(tf.reshape(tf.convert_to_tensor(source), tf.shape(buffer)), buffer.dtype)

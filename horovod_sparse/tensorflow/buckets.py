@@ -22,6 +22,7 @@ from horovod_sparse.common.stats import StepStats
 from horovod_sparse.common.step import StepRecord
 from horovod_sparse.tensorflow.backend import BACKEND
 from horovod_sparse.tensorflow.correction import Corrected
+from horovod_sparse.tensorflow.residual_variable import variable_of
 
 __all__ = ["BucketSet", "BucketState", "make_counts_variable", "zeros_variable"]
 
@@ -50,7 +51,9 @@ class BucketState:
     def hand_in(self, velocity: tf.Tensor | None) -> None:
         """Give a sparse reducer its residual and this step's velocity."""
         if isinstance(self.reducer, BucketReducer):
-            self.reducer.hand_in(tf.convert_to_tensor(self.residual), velocity)
+            variable = variable_of(self.residual)
+            residual = variable if variable is not None else tf.convert_to_tensor(self.residual)
+            self.reducer.hand_in(residual, velocity)
 
     def store(self, result: tf.Tensor, velocity: tf.Tensor | None) -> tf.Tensor:
         """Write the step's residual, velocity (masked where a sparse bucket sent) and
@@ -60,7 +63,8 @@ class BucketState:
         record = reducer.last_record
         updates = [self.counts.assign(_counts_vector(record))]
         if isinstance(reducer, BucketReducer):
-            updates.append(self.residual.assign(reducer.residual))
+            if reducer.residual is not variable_of(self.residual):
+                updates.append(self.residual.assign(reducer.residual))
             velocity = reducer.velocity
             if not record.dense:
                 self.traced = StepRecord(

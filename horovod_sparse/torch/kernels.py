@@ -370,5 +370,8 @@ class TorchKernels(HorovodPrimitives):
     def zero_(self, buffer: torch.Tensor) -> torch.Tensor:
         return buffer.zero_()
 
+    def value_of(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer
+
     def from_host(self, values: list[float], like: torch.Tensor) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float64, device=like.device)
