@@ -305,6 +305,45 @@ def test_a_reused_step_is_one_alltoall_and_one_allgather(graph, collective_count
         assert fn.experimental_get_tracing_count() == traces
 
 
+def graph_op_types(graph_def) -> list[str]:
+    """Every op type of a traced graph, its functions' (tf.cond branches) included."""
+    types = [node.op for node in graph_def.node]
+    for function in graph_def.library.function:
+        types += [node.op for node in function.node_def]
+    return types
+
+
+def test_the_residual_is_written_in_place_in_its_variable():
+    """A sparse step adds the gradients to the residual's variable and zeroes what it
+    sent there (docs/design.md §7): no new residual is assigned, no gather from the
+    variable turns its reads into copies, and the step ends copy-on-read mode."""
+    hvds.reset_residuals()
+    numel, name = 40_000, "in_place"
+    fn = tf.function(lambda x: hvds.sparse_allreduce(x, density=0.01, name=name, op=hvd.Sum))
+    before = np.zeros(numel, np.float64)
+    for step in range(6):
+        grad = local_grad(step, numel)
+        out = fn(grad)
+        after = hvds.residual_variables()[name]
+        # Invariant: no mass is lost while the residual changes in place.
+        lhs = hvd.allreduce(tf.cast(after, tf.float64), op=hvd.Sum, name=f"{name}.l.{step}")
+        lhs += tf.cast(out, tf.float64)
+        rhs = hvd.allreduce(
+            tf.constant(before) + tf.cast(grad, tf.float64), op=hvd.Sum, name=f"{name}.r.{step}"
+        )
+        np.testing.assert_allclose(lhs.numpy(), rhs.numpy(), rtol=0, atol=1e-4)
+        before = after.numpy().astype(np.float64)
+    graph = fn.get_concrete_function(grad).graph
+    residual = hvds.residual_variables()[name]
+    inner = {id(outer): inner for outer, inner in graph.captures}
+    handle = inner[id(residual.handle)]
+    writers = sorted(op.type for op in handle.consumers())
+    assert "AssignAddVariableOp" in writers and "AssignVariableOp" not in writers, writers
+    types = graph_op_types(graph.as_graph_def())
+    assert "ResourceGather" not in types
+    assert types.count("ResourceScatterUpdate") == 1 and types.count("DisableCopyOnRead") == 1
+
+
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
 def test_log_every_prints_the_step_figures_on_the_first_rank(capsys, graph):
     """``log_every=3`` on the tape: one line at steps 3 and 6 of 7, on rank 0 only, with
