@@ -66,5 +66,7 @@ def zero_then_add(
         values = tf.concat([tf.cast(v, dtype) for _, v in adds], 0)
         tf.raw_ops.ResourceScatterAdd(resource=variable.handle, indices=positions, updates=values)
     # Reads alias the memory again, and the next step's assign_add writes it in place.
-    tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
+    # (A TensorFlow without the op keeps copying: the same results, slower.)
+    if hasattr(tf.raw_ops, "DisableCopyOnRead"):
+        tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
     return variable
