@@ -223,7 +223,7 @@ class Backend(Protocol):
     def copy(self, tensor: Tensor) -> Tensor: ...
     def value_of(self, buffer: Tensor) -> Tensor:
         """``buffer``'s contents now, to compute from: ``buffer`` itself, or under TF the
-        value of a residual kept in its variable (read once, see the TF backend)."""
+        value of a residual kept in its variable (``tensorflow/residual_variable.py``)."""
 
     def assign(self, buffer: Tensor, source: Any) -> Tensor:
         """``buffer``'s contents replaced by ``source`` (any device, same length)."""

@@ -61,7 +61,9 @@ def zero_then_add(
         tf.raw_ops.ResourceScatterUpdate(
             resource=variable.handle, indices=zeroed, updates=tf.zeros(tf.shape(zeroed), dtype)
         )
-    if adds:  # duplicate positions add up, in order
+    # Positions repeat only with lossy compression (a rounding owed where a sum was
+    # dropped); they add up, in order on the CPU.
+    if adds:
         positions = tf.concat([tf.cast(i, tf.int64) for i, _ in adds], 0)
         values = tf.concat([tf.cast(v, dtype) for _, v in adds], 0)
         tf.raw_ops.ResourceScatterAdd(resource=variable.handle, indices=positions, updates=values)
