@@ -92,6 +92,11 @@ class TorchKernels(HorovodPrimitives):
     def momentum_update_(
         self, buffer: torch.Tensor, value: torch.Tensor, momentum: float, weight: float
     ) -> torch.Tensor:
+        if weight == 1.0 and value.shape == buffer.shape:
+            # value + momentum * buffer in one pass over the buffer instead of two; the
+            # kernel may fuse the multiply-add, so it can differ from torch.optim.SGD's
+            # mul_ then add_ in the last bit. 1M floats, one thread: 0.39 against 0.63 ms.
+            return torch.add(value, buffer, alpha=momentum, out=buffer)
         return buffer.mul_(momentum).add_(value, alpha=weight)
 
     def moving_average_(
