@@ -220,6 +220,43 @@ def test_clipping_with_skip_synchronize_matches_dense_horovod():
     assert_identical_on_all_ranks(sparse_model, "clip")
 
 
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed_in_place"])
+def test_gradients_are_views_of_the_result_and_never_carry_an_earlier_step(set_to_none):
+    """``p.grad`` after ``synchronize()`` is a view of its bucket's result, not a copy.
+    What is written into it between steps (an in-place ``zero_grad`` and the next
+    backward accumulating into it, a write through ``.data`` that no version counter
+    sees) never reaches a later step: a twin trained without those writes gets bitwise
+    the same gradients and parameters."""
+    model, twin = mlp(), mlp()
+
+    def make(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return hvds.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+            m.named_parameters(),
+            density=0.05,
+        )
+
+    opt, ref = make(model), make(twin)
+    sparse_weights = [model[0].weight, model[2].weight]  # 2,048 and 4,096: one sparse bucket
+    for step in range(6):
+        x, y = batch(step)
+        for m, o, tampered in ((model, opt, True), (twin, ref, False)):
+            o.zero_grad(set_to_none=set_to_none or not tampered)
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.synchronize()
+        storages = {w.grad.untyped_storage().data_ptr() for w in sparse_weights}
+        assert len(storages) == 1, "the sparse bucket's gradients are views of one buffer"
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        for o in (opt, ref):
+            with o.skip_synchronize():
+                o.step()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)
+            p.grad.data.add_(1000.0)  # into the bucket buffer, unseen by its version
+    assert_identical_on_all_ranks(model, "views")
+
+
 @pytest.mark.parametrize("global_selection", ["reuse", "exact"])
 def test_bytes_at_one_percent_within_three_percent_of_dense(global_selection):
     torch.manual_seed(3)
