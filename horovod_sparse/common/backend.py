@@ -273,10 +273,10 @@ class Backend(Protocol):
         adds: Sequence[tuple[Tensor, Tensor]],
     ) -> Tensor:
         """``buffer[zeroed] = 0``, then each ``(indices, values)`` of ``adds`` added in
-        its turn (duplicates summed in order), as :meth:`zero_at` and :meth:`add_at`
-        would leave it, bit for bit; returns the updated buffer. ``held``: the entries
-        at ``zeroed`` as the caller read them (:meth:`take`), which a backend that is
-        not in place cancels to write the buffer in one pass rather than one a call."""
+        its turn, as :meth:`zero_at` and :meth:`add_at` would leave it, bit for bit;
+        returns the buffer. One add's indices are distinct (positions repeat only across
+        adds). ``held``: the entries at ``zeroed`` as the caller read them (:meth:`take`),
+        which a backend that is not in place cancels to write the buffer in one pass."""
 
     def shift(self, indices: Tensor, offset: int) -> Tensor: ...
 

@@ -53,7 +53,11 @@ def zero_then_add(
 ) -> tf.Variable:
     """``Backend.zero_then_add`` by scatters of the zeroed and added entries only (16M
     floats, 170K entries zeroed, one thread: 1.9 ms against about 20 for a new tensor).
-    Assigning zeros clears infinite and NaN entries too. ``held`` (the values taken at
+    Assigning zeros clears infinite and NaN entries too. Each add is a gather, an add
+    and an assignment, which its distinct positions allow (``ResourceScatterAdd`` adds
+    one entry at a time: 16M floats, default threads, 170K entries 4.7-9.2 ms against
+    3.2-3.5, 84K 3.9-5.1 against 2.2); the adds run in turn, so positions may repeat
+    across them. ``held`` (the values taken at
     ``zeroed``) orders the scatters after the gather that read them, the last reader of
     the step's value: a scatter while a read holds the memory would copy it."""
     dtype = variable.dtype
@@ -61,12 +65,12 @@ def zero_then_add(
         tf.raw_ops.ResourceScatterUpdate(
             resource=variable.handle, indices=zeroed, updates=tf.zeros(tf.shape(zeroed), dtype)
         )
-    # Positions repeat only with lossy compression (a rounding owed where a sum was
-    # dropped); they add up, in order on the CPU.
-    if adds:
-        positions = tf.concat([tf.cast(i, tf.int64) for i, _ in adds], 0)
-        values = tf.concat([tf.cast(v, dtype) for _, v in adds], 0)
-        tf.raw_ops.ResourceScatterAdd(resource=variable.handle, indices=positions, updates=values)
+    for positions, values in adds:  # in program order: stateful ops on one variable
+        positions = tf.cast(positions, tf.int64)
+        before = tf.raw_ops.ResourceGather(resource=variable.handle, indices=positions, dtype=dtype)
+        tf.raw_ops.ResourceScatterUpdate(
+            resource=variable.handle, indices=positions, updates=before + tf.cast(values, dtype)
+        )
     # Reads alias the memory again, and the next step's assign_add writes it in place.
     # (A TensorFlow without the op keeps copying: the same results, slower.)
     if hasattr(tf.raw_ops, "DisableCopyOnRead"):

@@ -313,10 +313,36 @@ def graph_op_types(graph_def) -> list[str]:
     return types
 
 
+def gathers_after_a_scatter(graph_def) -> tuple[int, int]:
+    """``(ResourceGather nodes, those with a ResourceScatterUpdate among their ancestors
+    in the same graph or function body)``: a gather from a variable starts its
+    copy-on-read mode unless a scatter already has."""
+    bodies = [list(graph_def.node)] + [list(f.node_def) for f in graph_def.library.function]
+    gathers = after = 0
+    for nodes in bodies:
+        by_name = {node.name: node for node in nodes}
+
+        def ancestors(node, seen):
+            for source in node.input:
+                parent = by_name.get(source.lstrip("^").split(":")[0])
+                if parent is not None and parent.name not in seen:
+                    seen.add(parent.name)
+                    ancestors(parent, seen)
+            return seen
+
+        for node in nodes:
+            if node.op == "ResourceGather":
+                gathers += 1
+                seen = ancestors(node, set())
+                after += any(by_name[n].op == "ResourceScatterUpdate" for n in seen)
+    return gathers, after
+
+
 def test_the_residual_is_written_in_place_in_its_variable():
     """A sparse step adds the gradients to the residual's variable and zeroes what it
     sent there (docs/design.md §7): no new residual is assigned, no gather from the
-    variable turns its reads into copies, and the step ends copy-on-read mode."""
+    variable turns its reads into copies (the owed sums' gather follows the scatter
+    that zeroes the sent entries), and the step ends copy-on-read mode."""
     hvds.reset_residuals()
     numel, name = 40_000, "in_place"
     fn = tf.function(lambda x: hvds.sparse_allreduce(x, density=0.01, name=name, op=hvd.Sum))
@@ -339,9 +365,13 @@ def test_the_residual_is_written_in_place_in_its_variable():
     handle = inner[id(residual.handle)]
     writers = sorted(op.type for op in handle.consumers())
     assert "AssignAddVariableOp" in writers and "AssignVariableOp" not in writers, writers
-    types = graph_op_types(graph.as_graph_def())
-    assert "ResourceGather" not in types
-    assert types.count("ResourceScatterUpdate") == 1 and types.count("DisableCopyOnRead") == 1
+    graph_def = graph.as_graph_def()
+    types = graph_op_types(graph_def)
+    # The sent entries zeroed, then the owed sums (one add: no lossy compression) as a
+    # gather and an assignment.
+    assert gathers_after_a_scatter(graph_def) == (1, 1)
+    assert types.count("ResourceScatterUpdate") == 2 and types.count("DisableCopyOnRead") == 1
+    assert "ResourceScatterAdd" not in types
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
