@@ -243,37 +243,39 @@ def test_zero_then_add_leaves_the_bits_of_zero_at_then_each_add_in_turn(backend,
     zeroed = np.array([2, 5, 9, 17, 40, 41], dtype=np.int64)
     if special is not None:
         values[17] = special  # a sent entry that does not cancel by subtraction
-    # Positions repeat across the adds (each add's own are distinct, as the protocol
-    # says), over zeroed and untouched entries alike.
-    adds = [
-        (np.array([2, 3, 40, 7], dtype=np.int64), rng.standard_normal(4).astype(dtype)),
-        (np.array([41, 3, 2, 63], dtype=np.int64), rng.standard_normal(4).astype(dtype)),
-    ]
-    expected = values.copy()
-    expected[zeroed] = 0.0
-    for indices, added in adds:
-        for index, value in zip(indices, added):
-            expected[index] += value
+    # Duplicates within and across the adds, over zeroed and untouched entries alike;
+    # then repeats across the adds only (one add's positions distinct, as the protocol
+    # says), which a residual kept in its variable takes too (residual_variable.py).
+    within = np.array([2, 3, 40, 3], dtype=np.int64)
+    across = np.array([2, 3, 40, 7], dtype=np.int64)
+    second = np.array([41, 3, 2, 63], dtype=np.int64)
+    added = [rng.standard_normal(4).astype(dtype) for _ in range(2)]
+    is_tf = "TFBackend" in {cls.__name__ for cls in type(ops).__mro__}
 
     def run(buffer, sent, held, *flat):
         pairs = list(zip(flat[0::2], flat[1::2]))
         return ops.zero_then_add(buffer, sent, held, pairs)
 
-    flat = [to(array) for pair in adds for array in pair]
     bits = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
     held = to(values[zeroed])  # as the step takes them before it sends them
-    for got in _traced_too(ops, run, to(values.copy()), to(zeroed), held, *flat):
-        np.testing.assert_array_equal(back(got).view(bits), expected.view(bits))
-    if "TFBackend" in {cls.__name__ for cls in type(ops).__mro__}:
-        import tensorflow as tf
+    for first, in_variable in ((within, False), (across, is_tf)):
+        adds = [(first, added[0]), (second, added[1])]
+        expected = values.copy()
+        expected[zeroed] = 0.0
+        for indices, increments in adds:
+            for index, value in zip(indices, increments):
+                expected[index] += value
+        flat = [to(array) for pair in adds for array in pair]
+        for got in _traced_too(ops, run, to(values.copy()), to(zeroed), held, *flat):
+            np.testing.assert_array_equal(back(got).view(bits), expected.view(bits))
+        if in_variable:
+            import tensorflow as tf
 
-        # A residual kept in its variable is written in place (residual_variable.py),
-        # eagerly and traced.
-        for traced in (False, True):
-            variable = tf.Variable(values)
-            step = tf.function(run) if traced else run
-            step(variable, to(zeroed), held, *flat)
-            np.testing.assert_array_equal(variable.numpy().view(bits), expected.view(bits))
+            for traced in (False, True):
+                variable = tf.Variable(values)
+                step = tf.function(run) if traced else run
+                step(variable, to(zeroed), held, *flat)
+                np.testing.assert_array_equal(variable.numpy().view(bits), expected.view(bits))
 
 
 @pytest.mark.parametrize(
