@@ -5,9 +5,13 @@ under ``horovod_sparse.torch`` and ``horovod_sparse.tensorflow`` (inside a ``tf.
 traced once, and eagerly), next to ``horovod.torch.allreduce`` and
 ``horovod.tensorflow.allreduce`` of that tensor. Every call gets a fresh random gradient
 (drawn before timing, the same sequence for every method) under one name per method, so
-the sparse calls run with error feedback as in a training loop. Two warm-up calls, then
-``--repeats`` timed calls, each after a tiny allreduce that lines the ranks up; the
-median and min are reported. One intra-op thread per framework, as in allreduce.py.
+the sparse calls run with error feedback as in a training loop. Two warm-up rounds, then
+``--repeats`` timed rounds; a round calls every method once, in an order that rotates
+from one round to the next, each call after a tiny allreduce that lines the ranks up.
+Each method's median and min are reported, and each sparse method's ratio to its
+framework's dense call of the same round, as the median over rounds (lowest-highest):
+the methods share the same minutes of a machine whose speed drifts by tens of percent
+between minutes. One intra-op thread per framework, as in allreduce.py.
 
 Launches itself under ``horovodrun -np P --gloo`` (loopback) unless already under it.
 Both frameworks' Horovod bindings are loaded in the same worker process; each binding
@@ -29,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,8 +51,9 @@ LEGEND = (
     "TF sparse fn = horovod_sparse.tensorflow.sparse_allreduce in a tf.function (one signature); "
     "TF sparse eager = the same called eagerly; torch dense = horovod.torch.allreduce; "
     "TF dense = horovod.tensorflow.allreduce (eager); times are seconds per call on rank 0, "
-    "median (min); TF/torch = TF sparse fn / torch sparse; sparse/dense = each framework's "
-    "sparse (TF: tf.function) over its dense (medians)"
+    "median (min); TF/torch = TF sparse fn / torch sparse (medians); sparse/dense = each "
+    "sparse call over its framework's dense call of the same round, median over rounds "
+    "(lowest-highest)"
 )
 
 
@@ -72,32 +78,40 @@ def gradient(numel: int, call: int) -> Any:
     return np.random.default_rng([12345, rank, call]).standard_normal(numel, dtype=np.float32)
 
 
-def timed(
-    numel: int,
-    repeats: int,
-    prepare: Callable[[Any], Any],
-    call: Callable[[Any], Any],
-    barrier: Callable[[], None],
-    after: Callable[[], None] | None = None,
-    first: list[float] | None = None,
-) -> list[float]:
-    """Seconds of each ``call(prepare(gradient))`` after the warm-up calls, on this rank;
-    ``after`` runs after each call, outside the timed region; the first call's seconds
-    (a ``tf.function``'s tracing included) go to ``first``."""
-    times = []
+@dataclass
+class Method:
+    """One timed method: ``call(prepare(gradient))`` after ``barrier()``; ``after`` runs
+    after each call, outside the timed region. ``first``: the first call's seconds (a
+    ``tf.function``'s tracing included)."""
+
+    key: str
+    prepare: Callable[[Any], Any]
+    call: Callable[[Any], Any]
+    barrier: Callable[[], None]
+    after: Callable[[], None] | None = None
+    times: list[float] = field(default_factory=list)
+    first: list[float] = field(default_factory=list)
+
+
+def timed_in_turn(numel: int, repeats: int, methods: list[Method]) -> dict[str, list[float]]:
+    """Seconds of each method's calls after the warm-up rounds, on this rank: every round
+    calls each method once, on that round's gradient, the order rotating each round."""
     for i in range(WARMUP + repeats):
-        x = prepare(gradient(numel, i))
-        barrier()
-        start = time.perf_counter()
-        call(x)
-        elapsed = time.perf_counter() - start
-        if i >= WARMUP:
-            times.append(elapsed)
-        elif i == 0 and first is not None:
-            first.append(elapsed)
-        if after is not None:
-            after()
-    return times
+        drawn = gradient(numel, i)
+        shift = i % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            x = method.prepare(drawn.copy())  # a call may not see another's writes
+            method.barrier()
+            start = time.perf_counter()
+            method.call(x)
+            elapsed = time.perf_counter() - start
+            if i >= WARMUP:
+                method.times.append(elapsed)
+            elif i == 0:
+                method.first.append(elapsed)
+            if method.after is not None:
+                method.after()
+    return {method.key: method.times for method in methods}
 
 
 def sparse_options(selection: str | None) -> dict[str, Any]:
@@ -132,35 +146,35 @@ class TorchRuns:
     def barrier(self) -> None:
         self.hvd.allreduce(self.tiny, name="barrier.torch")
 
-    def dense(self, numel: int, repeats: int) -> dict:
+    def dense(self, numel: int) -> list[Method]:
         hvd = self.hvd
         name = f"dense.torch.{numel}"
-        times = timed(
-            numel,
-            repeats,
-            self.torch.from_numpy,
-            lambda x: hvd.allreduce(x, op=hvd.Average, name=name),
-            self.barrier,
-        )
-        return {"torch_dense": times}
+        return [
+            Method(
+                "torch_dense",
+                self.torch.from_numpy,
+                lambda x: hvd.allreduce(x, op=hvd.Average, name=name),
+                self.barrier,
+            )
+        ]
 
-    def sparse(self, numel: int, density: float, repeats: int, selection: str | None) -> dict:
+    def sparse(
+        self, numel: int, density: float, selection: str | None
+    ) -> tuple[list[Method], Callable[[], dict]]:
         import horovod_sparse.torch as hvds
 
         hvd, options = self.hvd, sparse_options(selection)
         name = f"torch.{numel}.{density}"
-        times = timed(
-            numel,
-            repeats,
-            self.torch.from_numpy,
-            lambda x: hvds.sparse_allreduce(
-                x, density=density, name=name, op=hvd.Average, **options
-            ),
-            self.barrier,
-        )
-        s = hvds.stats(name)
-        hvds.reset_residuals()
-        return {"torch_sparse": times, "torch_bytes_per_rank": s.bytes_sent + s.bytes_received}
+
+        def call(x: Any) -> Any:
+            return hvds.sparse_allreduce(x, density=density, name=name, op=hvd.Average, **options)
+
+        def finish() -> dict:
+            s = hvds.stats(name)
+            hvds.reset_residuals()
+            return {"torch_bytes_per_rank": s.bytes_sent + s.bytes_received}
+
+        return [Method("torch_sparse", self.torch.from_numpy, call, self.barrier)], finish
 
 
 class TFRuns:
@@ -186,19 +200,21 @@ class TFRuns:
     def barrier(self) -> None:
         self.hvd.allreduce(self.tiny, name="barrier.tf").numpy()
 
-    def dense(self, numel: int, repeats: int) -> dict:
+    def dense(self, numel: int) -> list[Method]:
         hvd = self.hvd
         name = f"dense.tf.{numel}"
-        times = timed(
-            numel,
-            repeats,
-            self.tf.constant,
-            lambda x: hvd.allreduce(x, op=hvd.Average, name=name).numpy(),
-            self.barrier,
-        )
-        return {"tf_dense": times}
+        return [
+            Method(
+                "tf_dense",
+                self.tf.constant,
+                lambda x: hvd.allreduce(x, op=hvd.Average, name=name).numpy(),
+                self.barrier,
+            )
+        ]
 
-    def sparse(self, numel: int, density: float, repeats: int, selection: str | None) -> dict:
+    def sparse(
+        self, numel: int, density: float, selection: str | None
+    ) -> tuple[list[Method], Callable[[], dict]]:
         import horovod_sparse.tensorflow as hvds
 
         tf, hvd, options = self.tf, self.hvd, sparse_options(selection)
@@ -218,30 +234,31 @@ class TFRuns:
         # TF traces twice on the first call when that call creates variables (the
         # residual); traces after the first call would be retracing.
         traces: list[int] = []
-        first_call: list[float] = []
-        fn_times = timed(
-            numel,
-            repeats,
+        traced = Method(
+            "tf_sparse_function",
             tf.constant,
             lambda x: step(x).numpy(),
             self.barrier,
             lambda: traces.append(int(step.experimental_get_tracing_count())),
-            first_call,
         )
-        if traces[-1] != traces[0]:
-            print(f"warning: {fn_name} retraced: traces after each call {traces}", file=sys.stderr)
-        eager_times = timed(numel, repeats, tf.constant, lambda x: eager(x).numpy(), self.barrier)
-        s_fn, s_eager = hvds.stats(fn_name), hvds.stats(eager_name)
-        hvds.reset_residuals()
-        return {
-            "tf_sparse_function": fn_times,
-            "tf_sparse_eager": eager_times,
-            "tf_function_traces_first_call": traces[0],
-            "tf_function_first_call_s": first_call[0],
-            "tf_function_retraces": traces[-1] - traces[0],
-            "tf_bytes_per_rank": s_fn.bytes_sent + s_fn.bytes_received,
-            "tf_eager_bytes_per_rank": s_eager.bytes_sent + s_eager.bytes_received,
-        }
+        untraced = Method("tf_sparse_eager", tf.constant, lambda x: eager(x).numpy(), self.barrier)
+
+        def finish() -> dict:
+            if traces[-1] != traces[0]:
+                print(
+                    f"warning: {fn_name} retraced: traces after each call {traces}", file=sys.stderr
+                )
+            s_fn, s_eager = hvds.stats(fn_name), hvds.stats(eager_name)
+            hvds.reset_residuals()
+            return {
+                "tf_function_traces_first_call": traces[0],
+                "tf_function_first_call_s": traced.first[0],
+                "tf_function_retraces": traces[-1] - traces[0],
+                "tf_bytes_per_rank": s_fn.bytes_sent + s_fn.bytes_received,
+                "tf_eager_bytes_per_rank": s_eager.bytes_sent + s_eager.bytes_received,
+            }
+
+        return [traced, untraced], finish
 
 
 def start_runtimes(frameworks: list[str]) -> list[Any]:
@@ -260,19 +277,23 @@ def run_worker(args: argparse.Namespace, runs: list[Any]) -> list[dict] | None:
     """Runs on every rank; returns the measured rows on rank 0 (None elsewhere)."""
     rows = []
     for numel in args.sizes:
-        dense: dict[str, Any] = {}
-        for r in runs:
-            dense.update(r.dense(numel, args.repeats))
         for density in args.densities:
+            methods: list[Method] = []
+            finishes = []
+            for r in runs:
+                methods += r.dense(numel)
+                sparse, finish = r.sparse(numel, density, args.selection)
+                methods += sparse
+                finishes.append(finish)
             row = {
                 "P": runs[0].hvd.size(),
                 "numel": numel,
                 "density": density,
                 "selection": used_selection(density, args.selection),
-                **dense,
+                **timed_in_turn(numel, args.repeats, methods),
             }
-            for r in runs:
-                row.update(r.sparse(numel, density, args.repeats, args.selection))
+            for finish in finishes:
+                row.update(finish())
             rows.append(row)
     return rows if runs[0].hvd.rank() == 0 else None
 
@@ -367,9 +388,17 @@ def launcher_main(args: argparse.Namespace) -> None:
         report(args, list(merged.values()), meta)
 
 
+# Each sparse method over its framework's dense call of the same round.
+PAIRED = (
+    ("torch_sparse_over_dense", "torch_sparse", "torch_dense"),
+    ("tf_sparse_over_dense", "tf_sparse_function", "tf_dense"),
+    ("tf_eager_over_dense", "tf_sparse_eager", "tf_dense"),
+)
+
+
 def summarize(row: dict) -> dict:
     median = {k: statistics.median(row[k]) for k in TIME_KEYS}
-    return {
+    entry = {
         "P": row["P"],
         "numel": row["numel"],
         "density": row["density"],
@@ -377,25 +406,27 @@ def summarize(row: dict) -> dict:
         **{f"{k}_median_s": median[k] for k in TIME_KEYS},
         **{f"{k}_min_s": min(row[k]) for k in TIME_KEYS},
         "tf_over_torch_sparse": median["tf_sparse_function"] / median["torch_sparse"],
-        "torch_sparse_over_dense": median["torch_sparse"] / median["torch_dense"],
-        "tf_sparse_over_dense": median["tf_sparse_function"] / median["tf_dense"],
     }
+    for key, sparse, dense in PAIRED:
+        ratios = [a / b for a, b in zip(row[sparse], row[dense])]
+        entry |= {key: statistics.median(ratios), f"{key}_range": (min(ratios), max(ratios))}
+    return entry
 
 
 def markdown(table: list[dict]) -> str:
     lines = [
         "| P | floats | density | selection | torch sparse s | TF sparse fn s "
         "| TF sparse eager s | torch dense s | TF dense s | TF/torch sparse "
-        "| torch sparse/dense | TF sparse/dense |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| torch sparse/dense | TF fn/dense | TF eager/dense |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for t in table:
         cells = [str(t["P"]), format_size(t["numel"]), f"{t['density']:g}", t["selection"]]
         cells += [f"{t[k + '_median_s']:.4f} ({t[k + '_min_s']:.4f})" for k in TIME_KEYS]
-        cells += [
-            f"{t[k]:.2f}"
-            for k in ("tf_over_torch_sparse", "torch_sparse_over_dense", "tf_sparse_over_dense")
-        ]
+        cells.append(f"{t['tf_over_torch_sparse']:.2f}")
+        for key, _, _ in PAIRED:
+            low, high = t[f"{key}_range"]
+            cells.append(f"{t[key]:.2f} ({low:.2f}-{high:.2f})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

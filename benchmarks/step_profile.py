@@ -5,11 +5,19 @@ MLP (``--model wide``: 34.1M) for ``--steps`` steps after ``--warmup`` unmeasure
 in one ``horovodrun -np P --gloo`` job per framework, P and thread setting, and prints
 per step (medians over the measured steps; the whole step is the slowest rank's):
 
-* torch (``--framework torch``): ``hvd.DistributedOptimizer`` and then
+* torch (``--framework torch``): ``hvd.DistributedOptimizer`` and
   ``horovod_sparse.torch.DistributedOptimizer`` at its defaults, SGD with momentum;
 * TF (``--framework tf``): a ``tf.function`` training step with
-  ``hvd.DistributedGradientTape`` and then ``horovod_sparse.tensorflow``'s, SGD with
+  ``hvd.DistributedGradientTape`` and with ``horovod_sparse.tensorflow``'s, SGD with
   momentum (Keras); the step is one traced call, so it is not split further.
+
+Dense and sparse train side by side, one step of each in turn (their order alternating),
+each its own model: both meet the same minutes of a machine whose speed drifts by tens
+of percent from one minute to the next. "vs dense" is then the median over steps of each
+step's time over dense's step of the same index, with its quartiles. The automatic
+scheduler (``--torch-modes ...,auto``) judges whole steps from one backward to the next,
+which would take in the other modes' steps, so it trains alone after them; its "vs
+dense" is the ratio of the two medians.
 
 Columns:
 
@@ -110,50 +118,63 @@ MODES = {
 }
 
 
-def run_mode(model_name: str, mode: str, steps: int, warmup: int) -> dict:
-    import horovod.torch as hvd
-    import torch
+class TorchRun:
+    """One torch mode's model, optimizer and measured steps."""
 
-    import horovod_sparse.torch as hvds
+    def __init__(self, model_name: str, mode: str, warmup: int) -> None:
+        import horovod.torch as hvd
+        import torch
 
-    torch.manual_seed(0)
-    model, features, classes = build(model_name)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    named = model.named_parameters()
-    sparse = mode != "dense"
-    if sparse:
-        scheduler = "auto" if mode == "auto" else "fixed"
-        optimizer = hvds.DistributedOptimizer(inner, named_parameters=named, scheduler=scheduler)
-    else:
-        optimizer = hvd.DistributedOptimizer(inner, named_parameters=named)
-    generator = torch.Generator().manual_seed(hvd.rank())
-    x = torch.randn(8, 64, features, generator=generator)
-    y = torch.randint(0, classes, (8, 64), generator=generator)
-    counts = count_collectives() if sparse else dict(COUNTS)
-    rows = []
-    total = 0.0
-    for step in range(warmup + steps):
+        import horovod_sparse.torch as hvds
+
+        torch.manual_seed(0)
+        model, features, classes = build(model_name)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        named = model.named_parameters()
+        self.sparse = mode != "dense"
+        if self.sparse:
+            scheduler = "auto" if mode == "auto" else "fixed"
+            self.optimizer = hvds.DistributedOptimizer(
+                inner, named_parameters=named, scheduler=scheduler
+            )
+        else:
+            self.optimizer = hvd.DistributedOptimizer(inner, named_parameters=named)
+        generator = torch.Generator().manual_seed(hvd.rank())
+        self.x = torch.randn(8, 64, features, generator=generator)
+        self.y = torch.randint(0, classes, (8, 64), generator=generator)
+        self.counts = count_collectives() if self.sparse else dict(COUNTS)
+        self.model, self.mode, self.model_name, self.warmup = model, mode, model_name, warmup
+        self.rows: list[dict] = []
+        self.total = 0.0
+
+    def step(self, step: int) -> None:
+        import horovod.torch as hvd
+        import torch
+
+        model, optimizer, counts = self.model, self.optimizer, self.counts
         before = dict(counts)
         began = time.perf_counter()
         optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x[step % 8]), y[step % 8])
+        loss = torch.nn.functional.cross_entropy(model(self.x[step % 8]), self.y[step % 8])
         loss.backward()
         backward_done = time.perf_counter()
         optimizer.step()
         ended = time.perf_counter()
         slowest = hvd.allreduce(
-            torch.tensor([ended - began], dtype=torch.float64), op=hvd.Max, name=f"t.{step}"
+            torch.tensor([ended - began], dtype=torch.float64),
+            op=hvd.Max,
+            name=f"t.{self.mode}.{step}",
         )
-        total += float(slowest)
-        if step < warmup:
-            continue
+        self.total += float(slowest)
+        if step < self.warmup:
+            return
         row = {
             "step_s": float(slowest),
             "forward_backward_s": backward_done - began,
             "optimizer_step_s": ended - backward_done,
         }
-        if sparse:
+        if self.sparse:
             stats = optimizer.stats()
             row |= {
                 "selection_s": stats.seconds_select,
@@ -164,83 +185,112 @@ def run_mode(model_name: str, mode: str, steps: int, warmup: int) -> dict:
                 "sparse_buckets": stats.sparse_buckets,
                 **{kind: counts[kind] - before[kind] for kind in COLLECTIVES},
             }
-        rows.append(row)
-    return {
-        "model": model_name,
-        "framework": "torch",
-        "mode": MODES[mode],
-        "parameters": sum(p.numel() for p in model.parameters()),
-        # Every step, the warm-up's too (the scheduler's first trial runs at steps 10-14).
-        "all_steps_s": total,
-        "rows": rows,
-    }
+        self.rows.append(row)
+
+    def result(self, paired: bool) -> dict:
+        return {
+            "model": self.model_name,
+            "framework": "torch",
+            "mode": MODES[self.mode],
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            # Every step, the warm-up's too (the scheduler's first trial runs at steps 10-14).
+            "all_steps_s": self.total,
+            "paired": paired,
+            "rows": self.rows,
+        }
 
 
-def run_tf_mode(model_name: str, sparse: bool, steps: int, warmup: int, eager: bool) -> dict:
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
+def interleaved(runs: list[Any], steps: int) -> None:
+    """Step every run once per step index, the order rotating from one index to the next,
+    so that dense and sparse steps share the same minutes of a noisy machine and neither
+    always follows the other."""
+    for step in range(steps):
+        shift = step % len(runs)
+        for run in runs[shift:] + runs[:shift]:
+            run.step(step)
 
-    import horovod_sparse.tensorflow as hvds
 
-    width = WIDTHS[model_name]
-    tf.keras.utils.set_random_seed(0)
-    layers = [tf.keras.layers.Dense(width, activation="relu") for _ in range(2)]
-    if model_name == "wide":
-        layers.append(tf.keras.layers.Dense(width, activation="relu"))
-    model = tf.keras.Sequential([tf.keras.Input((128,)), *layers, tf.keras.layers.Dense(10)])
-    variables = [v.value for v in model.trainable_variables]  # tf.Variables for either tape
-    hvd.broadcast_variables(variables, root_rank=0)
-    optimizer = tf.keras.optimizers.SGD(learning_rate=0.01, momentum=0.9)
-    loss_of = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    generator = tf.random.Generator.from_seed(hvd.rank())
-    x = generator.normal([8, 64, 128])
-    y = generator.uniform([8, 64], maxval=10, dtype=tf.int32)
-    tapes = []  # the tape of each trace: the step's Python, tape included, runs when traced
+class TFRun:
+    """One TF mode's model, traced (or eager) training step and measured steps."""
 
-    @tf.function
-    def train_step(images, labels):
-        with tf.GradientTape() as tape:
-            loss = loss_of(labels, model(images, training=True))
-        if sparse:
-            tape = hvds.DistributedGradientTape(tape)
-        else:
-            tape = hvd.DistributedGradientTape(tape)
-        tapes.append(tape)
-        grads = tape.gradient(loss, variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    def __init__(self, model_name: str, sparse: bool, warmup: int, eager: bool) -> None:
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
 
-    run_step = train_step.python_function if eager else train_step
-    rows = []
-    total = 0.0
-    for step in range(warmup + steps):
+        import horovod_sparse.tensorflow as hvds
+
+        width = WIDTHS[model_name]
+        tf.keras.utils.set_random_seed(0)
+        layers = [tf.keras.layers.Dense(width, activation="relu") for _ in range(2)]
+        if model_name == "wide":
+            layers.append(tf.keras.layers.Dense(width, activation="relu"))
+        model = tf.keras.Sequential([tf.keras.Input((128,)), *layers, tf.keras.layers.Dense(10)])
+        variables = [v.value for v in model.trainable_variables]  # tf.Variables for either tape
+        hvd.broadcast_variables(variables, root_rank=0)
+        optimizer = tf.keras.optimizers.SGD(learning_rate=0.01, momentum=0.9)
+        loss_of = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        generator = tf.random.Generator.from_seed(hvd.rank())
+        self.x = generator.normal([8, 64, 128])
+        self.y = generator.uniform([8, 64], maxval=10, dtype=tf.int32)
+        self.tapes: list[Any] = []  # each trace's tape: the step's Python runs when traced
+
+        @tf.function
+        def train_step(images, labels):
+            with tf.GradientTape() as tape:
+                loss = loss_of(labels, model(images, training=True))
+            if sparse:
+                tape = hvds.DistributedGradientTape(tape)
+            else:
+                tape = hvd.DistributedGradientTape(tape)
+            self.tapes.append(tape)
+            grads = tape.gradient(loss, variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        self.run_step = train_step.python_function if eager else train_step
+        self.model, self.model_name, self.sparse, self.eager = model, model_name, sparse, eager
+        self.warmup = warmup
+        self.rows: list[dict] = []
+        self.total = 0.0
+
+    def step(self, step: int) -> None:
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
+
         began = time.perf_counter()
-        run_step(x[step % 8], y[step % 8]).numpy()
+        self.run_step(self.x[step % 8], self.y[step % 8]).numpy()
         ended = time.perf_counter()
         slowest = hvd.allreduce(
-            tf.constant([ended - began], tf.float64), op=hvd.Max, name=f"t.{step}"
+            tf.constant([ended - began], tf.float64),
+            op=hvd.Max,
+            name=f"t.{int(self.sparse)}.{step}",
         )
-        total += float(slowest[0])
-        if step < warmup:
-            continue
+        self.total += float(slowest[0])
+        if step < self.warmup:
+            return
         row = {"step_s": float(slowest[0])}
-        if sparse:
-            stats = tapes[-1].stats()
+        if self.sparse:
+            stats = self.tapes[-1].stats()
             row |= {
                 "selection_s": stats.seconds_select,
                 "exchange_s": stats.seconds_exchange,
                 "refreshed": int(stats.global_refreshes > 0),
             }
-        rows.append(row)
-    return {
-        "model": model_name,
-        "framework": "tf",
-        "mode": ("sparse tape (defaults)" if sparse else "dense hvd.DistributedGradientTape")
-        + (", eager" if eager else ""),
-        "parameters": sum(int(tf.size(v)) for v in model.trainable_variables),
-        "all_steps_s": total,
-        "rows": rows,
-    }
+        self.rows.append(row)
+
+    def result(self) -> dict:
+        import tensorflow as tf
+
+        mode = "sparse tape (defaults)" if self.sparse else "dense hvd.DistributedGradientTape"
+        return {
+            "model": self.model_name,
+            "framework": "tf",
+            "mode": mode + (", eager" if self.eager else ""),
+            "parameters": sum(int(tf.size(v)) for v in self.model.trainable_variables),
+            "all_steps_s": self.total,
+            "paired": True,
+            "rows": self.rows,
+        }
 
 
 def tf_worker(
@@ -255,10 +305,11 @@ def tf_worker(
     hvd.init()
     results = []
     for model_name in models:
-        for sparse in (False, True):
-            result = run_tf_mode(model_name, sparse, steps, warmup, eager)
-            used = tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
-            results.append(result | {"P": hvd.size(), "threads": threads, "threads_used": used})
+        runs = [TFRun(model_name, sparse, warmup, eager) for sparse in (False, True)]
+        interleaved(runs, warmup + steps)
+        used = tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
+        setting = {"P": hvd.size(), "threads": threads, "threads_used": used}
+        results += [run.result() | setting for run in runs]
     if hvd.rank() == 0:
         Path(out).write_text(json.dumps(results))
 
@@ -273,15 +324,17 @@ def worker(
     if threads != "default":
         torch.set_num_threads(int(threads))
     results = []
+    setting = {"P": hvd.size(), "threads": threads, "threads_used": torch.get_num_threads()}
     for model_name in models:
-        for mode in modes:
-            result = run_mode(model_name, mode, steps, warmup)
-            result |= {
-                "P": hvd.size(),
-                "threads": threads,
-                "threads_used": torch.get_num_threads(),
-            }
-            results.append(result)
+        # The automatic scheduler times whole steps from one backward to the next, which
+        # would take in the other modes' steps: it runs after the others, alone.
+        together = [TorchRun(model_name, mode, warmup) for mode in modes if mode != "auto"]
+        interleaved(together, warmup + steps)
+        results += [run.result(paired=True) | setting for run in together]
+        if "auto" in modes:
+            alone = TorchRun(model_name, "auto", warmup)
+            interleaved([alone], warmup + steps)
+            results.append(alone.result(paired=False) | setting)
     if hvd.rank() == 0:
         Path(out).write_text(json.dumps(results))
 
@@ -310,9 +363,16 @@ def summarize(results: list[dict]) -> list[dict]:
             entry["refresh_fraction"] = sum(row["refreshed"] for row in rows) / len(rows)
         setting = (result["model"], entry["framework"], result["P"], result["threads"])
         if result["mode"].startswith("dense"):
-            dense[setting] = (entry["step_s"], entry["all_steps_s"])
-        entry["step_vs_dense"] = entry["step_s"] / dense[setting][0]
-        entry["all_steps_vs_dense"] = entry["all_steps_s"] / dense[setting][1]
+            dense[setting] = (entry["step_s"], entry["all_steps_s"], rows)
+        dense_step, dense_all, dense_rows = dense[setting]
+        entry["step_vs_dense"] = entry["step_s"] / dense_step
+        entry["all_steps_vs_dense"] = entry["all_steps_s"] / dense_all
+        if result.get("paired") and len(rows) == len(dense_rows):
+            # Steps run in turn with dense's: the ratio of each step to dense's step of
+            # the same index, its median and quartiles.
+            ratios = [row["step_s"] / twin["step_s"] for row, twin in zip(rows, dense_rows)]
+            low, middle, high = statistics.quantiles(ratios, n=4)
+            entry |= {"paired_vs_dense": middle, "paired_low": low, "paired_high": high}
         table.append(entry)
     return table
 
@@ -332,6 +392,11 @@ def markdown(table: list[dict]) -> str:
     def per_step(t: dict, key: str) -> str:
         return f"{t[key]:.0f}" if key in t else "-"
 
+    def vs_dense(t: dict) -> str:
+        if "paired_vs_dense" not in t:
+            return f"{t['step_vs_dense']:.2f}"
+        return f"{t['paired_vs_dense']:.2f} ({t['paired_low']:.2f}-{t['paired_high']:.2f})"
+
     for t in table:
         refreshed = f"{100 * t['refresh_fraction']:.0f} %" if "refresh_fraction" in t else "-"
         threads = t["threads"] if t["threads"] != "default" else f"default ({t['threads_used']})"
@@ -341,7 +406,7 @@ def markdown(table: list[dict]) -> str:
             mode += f" ({t['dense_buckets']:.0f} of {buckets:.0f} buckets dense)"
         cells = [
             f"{t['model']} ({t['parameters'] / 1e6:.2f}M)", t["framework"], str(t["P"]),
-            threads, mode, ms(t, "step_s"), f"{t['step_vs_dense']:.2f}",
+            threads, mode, ms(t, "step_s"), vs_dense(t),
             f"{t['all_steps_s']:.2f} s, {t['all_steps_vs_dense']:.2f}",
             ms(t, "forward_backward_s"), ms(t, "optimizer_step_s"), ms(t, "selection_s"),
             ms(t, "exchange_s"), ms(t, "wait_s"), per_step(t, "alltoall_async"),
