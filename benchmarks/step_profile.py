@@ -6,7 +6,10 @@ in one ``horovodrun -np P --gloo`` job per framework, P and thread setting, and 
 per step (medians over the measured steps; the whole step is the slowest rank's):
 
 * torch (``--framework torch``): ``hvd.DistributedOptimizer`` and
-  ``horovod_sparse.torch.DistributedOptimizer`` at its defaults, SGD with momentum;
+  ``horovod_sparse.torch.DistributedOptimizer`` at its defaults, SGD with momentum
+  (``--torch-modes``: ``dense``, ``sparse``, ``auto`` by default; ``no-lookahead`` and
+  ``no-lookahead-no-correction`` turn off the residual lookahead, then the momentum
+  correction too, to show what each costs);
 * TF (``--framework tf``): a ``tf.function`` training step with
   ``hvd.DistributedGradientTape`` and with ``horovod_sparse.tensorflow``'s, SGD with
   momentum (Keras); the step is one traced call, so it is not split further.
@@ -114,7 +117,16 @@ def count_collectives() -> dict[str, Any]:
 MODES = {
     "dense": "dense hvd.DistributedOptimizer",
     "sparse": "sparse (defaults)",
+    "no-lookahead": "sparse, residual_lookahead=False",
+    "no-lookahead-no-correction": "sparse, no lookahead, momentum_correction=False",
     "auto": 'sparse, scheduler="auto"',
+}
+# The sparse optimizer's options per mode (the defaults' parts, turned off one by one).
+OPTIONS: dict[str, dict[str, Any]] = {
+    "sparse": {},
+    "no-lookahead": {"residual_lookahead": False},
+    "no-lookahead-no-correction": {"residual_lookahead": False, "momentum_correction": False},
+    "auto": {"scheduler": "auto"},
 }
 
 
@@ -134,9 +146,8 @@ class TorchRun:
         named = model.named_parameters()
         self.sparse = mode != "dense"
         if self.sparse:
-            scheduler = "auto" if mode == "auto" else "fixed"
             self.optimizer = hvds.DistributedOptimizer(
-                inner, named_parameters=named, scheduler=scheduler
+                inner, named_parameters=named, **OPTIONS[mode]
             )
         else:
             self.optimizer = hvd.DistributedOptimizer(inner, named_parameters=named)
@@ -434,13 +445,17 @@ def main() -> None:
     parser.add_argument("--worker-framework", default="torch", help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.model.split(",")
+    modes = args.torch_modes.split(",")
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown or "dense" not in modes:
+        parser.error(f"--torch-modes: dense and any of {', '.join(MODES)}; got {modes}")
+    modes.sort(key=list(MODES).index)  # dense first: the others are read against it
     if args.worker:
         if args.worker_framework == "tf":
             tf_worker(
                 models, args.worker_threads, args.steps, args.warmup, args.worker, args.tf_eager
             )
         else:
-            modes = args.torch_modes.split(",")
             worker(models, modes, args.worker_threads, args.steps, args.warmup, args.worker)
         return
     out = Path(args.out)
@@ -459,7 +474,7 @@ def main() -> None:
             sys.executable, __file__, "--model", args.model,
             "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--worker-threads", threads, "--worker-framework", framework,
-            "--torch-modes", args.torch_modes,
+            "--torch-modes", ",".join(modes),
             "--worker", str(part),
         ] + (["--tf-eager"] if args.tf_eager else [])  # fmt: skip
         env = dict(os.environ, PYTHONPATH=str(ROOT))
