@@ -19,8 +19,13 @@ from horovod_sparse.common.host_candidates import (
 
 __all__ = ["cpu_indices_at_least", "numpy_serves"]
 
-# Floats per chunk of either pass (see host_candidates.CANDIDATE_CHUNK).
-_CANDIDATE_CHUNK = CANDIDATE_CHUNK
+# Floats per chunk of torch's pass: it serves more than HOST_PASS_THREADS threads,
+# where each kernel is a parallel region whose start and join a smaller chunk would pay
+# more often; it keeps the 1M that both passes used before NumPy's went to 128K
+# (host_candidates.CANDIDATE_CHUNK; not measured above two cores).
+_CANDIDATE_CHUNK = 1 << 20
+# Floats per chunk of the NumPy pass.
+_NUMPY_CHUNK = CANDIDATE_CHUNK
 
 
 def _nonzero_by_words(mask: torch.Tensor) -> torch.Tensor:
@@ -82,7 +87,7 @@ def _numpy_indices_at_least(values: torch.Tensor, threshold: torch.Tensor) -> to
     """:func:`_torch_indices_at_least` in NumPy (one thread), on a view of the same memory:
     the same positions, as int64."""
     array = values.detach().numpy()
-    return torch.from_numpy(numpy_indices_at_least(array, threshold.item(), _CANDIDATE_CHUNK))
+    return torch.from_numpy(numpy_indices_at_least(array, threshold.item(), _NUMPY_CHUNK))
 
 
 def cpu_indices_at_least(values: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:

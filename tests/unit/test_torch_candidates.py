@@ -18,6 +18,7 @@ import horovod_sparse.torch.kernels as torch_kernels
 @pytest.mark.parametrize("numpy_threads", [0, 1 << 10])  # torch's pass; NumPy's (not bf16)
 def test_cpu_candidates_equal_the_definition(monkeypatch, chunk, numel, dtype, numpy_threads):
     monkeypatch.setattr(candidates, "_CANDIDATE_CHUNK", chunk)
+    monkeypatch.setattr(candidates, "_NUMPY_CHUNK", chunk)
     monkeypatch.setattr(candidates, "_NUMPY_CANDIDATE_THREADS", numpy_threads)
     rng = np.random.default_rng(numel + chunk)
     values = torch.from_numpy(rng.standard_normal(numel)).to(dtype)
@@ -53,6 +54,7 @@ def test_kept_scratch_leaves_earlier_results_alone(monkeypatch, numpy_threads):
     other threads, still get the definition's answer, and a result is never overwritten
     by a later call."""
     monkeypatch.setattr(candidates, "_CANDIDATE_CHUNK", 64)
+    monkeypatch.setattr(candidates, "_NUMPY_CHUNK", 64)
     monkeypatch.setattr(candidates, "_NUMPY_CANDIDATE_THREADS", numpy_threads)
     kernels = torch_kernels.TorchKernels()
     rng = np.random.default_rng(7)
