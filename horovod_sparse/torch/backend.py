@@ -27,12 +27,17 @@ __all__ = ["TorchBackend"]
 # GIL dropped and taken each turn). Where a rank has one core of its own or less, that
 # spin takes the core from the rank's own background thread, which runs the collective,
 # and from the other ranks' local work. So such a rank polls, sleeping between polls
-# from 20 us, doubling up to 500 us (the most a wait can overrun its collective). 2
-# ranks on 2 cores, medians of 5 alternating runs of 50 steps, ms a step (spinning
-# against sleeping): 16 buckets of 256K through synchronize() 44.5 / 36.9 (run medians
-# 42-54 / 35-42); the demo's MLP, whole training step 34.0 / 27.2 (30-37 / 26-28).
+# from 20 us, doubling up to a longest sleep (the most a wait can overrun its
+# collective). 2 ranks on 2 cores, medians of 5 alternating runs of 50 steps, ms a step
+# (spinning against sleeping up to 500 us): 16 buckets of 256K through synchronize()
+# 44.5 / 36.9 (run medians 42-54 / 35-42); the demo's MLP, whole training step 34.0 /
+# 27.2 (30-37 / 26-28). The longest sleep, the demo's step with the cap changing from
+# step to step in one run (each step against the one before, medians): at 2 ranks on 2
+# cores 100 us took 0.966-0.986 of 500 us's step (four runs, 300-600 steps each); at 4
+# ranks on 2 cores, where the extra wake-ups take a core some rank needs, 1.035-1.076.
 _FIRST_SLEEP_S = 20e-6
-_LONGEST_SLEEP_S = 500e-6
+_LONGEST_SLEEP_S = 100e-6
+_LONGEST_SLEEP_OVERSUBSCRIBED_S = 500e-6
 
 
 def _local_ranks() -> int:
@@ -84,7 +89,9 @@ class TorchBackend(TorchKernels):
 
     def wait(self, pending: _Pending) -> Any:
         if self.local_threads.threads <= 1:  # the ranks on this host share its cores
-            _sleep_until_done(pending.handle)
+            oversubscribed = self.local_threads.oversubscribed
+            longest = _LONGEST_SLEEP_OVERSUBSCRIBED_S if oversubscribed else _LONGEST_SLEEP_S
+            _sleep_until_done(pending.handle, longest)
         result = hvd.synchronize(pending.handle)
         if pending.kind == "alltoall":
             rows, received_splits = result
@@ -92,9 +99,10 @@ class TorchBackend(TorchKernels):
         return result
 
 
-def _sleep_until_done(handle: int) -> None:
-    """Poll ``handle`` until Horovod marks it done, sleeping between polls."""
+def _sleep_until_done(handle: int, longest: float) -> None:
+    """Poll ``handle`` until Horovod marks it done, sleeping between polls (up to
+    ``longest`` seconds)."""
     pause = _FIRST_SLEEP_S
     while not hvd.poll(handle):
         time.sleep(pause)
-        pause = min(2 * pause, _LONGEST_SLEEP_S)
+        pause = min(2 * pause, longest)

@@ -71,6 +71,7 @@ class LocalThreads:
     def __init__(self, local_ranks: Callable[[], int]) -> None:
         self._local_ranks = local_ranks
         self._threads: int | None = None
+        self._oversubscribed = False
 
     @property
     def threads(self) -> int:
@@ -79,8 +80,16 @@ class LocalThreads:
         if self._threads is None:
             cores, ranks = cores_available(), self._local_ranks()
             self._threads = threads_per_rank(cores, ranks)
+            self._oversubscribed = ranks > cores
             warn_if_oversubscribed(torch.get_num_threads(), ranks, cores)
         return self._threads
+
+    @property
+    def oversubscribed(self) -> bool:
+        """Whether this host runs more ranks than it has cores (found with
+        :attr:`threads`)."""
+        _ = self.threads
+        return self._oversubscribed
 
     def scope(self) -> AbstractContextManager[None]:
         """Run the body at :attr:`threads` when torch's current count is higher. Where it

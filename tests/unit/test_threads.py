@@ -98,7 +98,8 @@ def test_a_rank_sharing_cores_sleeps_between_polls_and_one_with_cores_leaves_it_
     monkeypatch,
 ):
     """Horovod's synchronize spins; a rank with at most one core of its own polls
-    instead, sleeping 20 us, doubling to at most 500 us, and synchronizes once done."""
+    instead, sleeping 20 us, doubling to at most 100 us (500 us where the host has more
+    ranks than cores), and synchronizes once done."""
     pytest.importorskip("horovod.torch")
     from horovod_sparse.torch import backend as backend_module
 
@@ -119,6 +120,13 @@ def test_a_rank_sharing_cores_sleeps_between_polls_and_one_with_cores_leaves_it_
     assert shared.wait(pending) == 7
     assert polls == [7] * 9 and synchronized == [7]
     assert sleeps == pytest.approx([20e-6, 40e-6, 80e-6, 160e-6, 320e-6, 500e-6, 500e-6, 500e-6])
+    polls.clear(), sleeps.clear(), synchronized.clear()
+    fits = backend_module.TorchBackend()
+    fits.local_threads = LocalThreads(lambda: 2)  # a core each
+    assert fits.local_threads.threads == 1 and not fits.local_threads.oversubscribed
+    assert fits.wait(pending) == 7
+    assert polls == [7] * 9 and synchronized == [7]
+    assert sleeps == pytest.approx([20e-6, 40e-6, 80e-6] + [100e-6] * 5)
     polls.clear(), sleeps.clear(), synchronized.clear()
     own.local_threads = LocalThreads(lambda: 1)
     monkeypatch.setattr(threads_module, "cores_available", lambda: 8)
