@@ -492,3 +492,30 @@ def test_kth_largest_of_keys_and_of_values_on_every_path(backend):
                     assert got == expected, (threads, k, got, expected)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kept", [0.0, 0.5, 0.9, 1.0])
+def test_split_by_mask_keeps_and_drops_in_order_on_every_path(backend, kept, monkeypatch):
+    """The rows whose flag is set, then the others, each in their order, for every
+    tensor passed: under torch through NumPy's flatnonzero (one or two threads) and
+    torch's nonzero (more); traced too under TF."""
+    ops, to, back = backend
+    rng = np.random.default_rng(int(100 * kept))
+    flags = rng.random(1003) < kept
+    indices, values = rng.integers(0, 1 << 20, 1003), rng.standard_normal(1003)
+
+    def split(mask, first, second):
+        return ops.split_by_mask(mask, first, second)
+
+    torch_backend = "TorchKernels" in {cls.__name__ for cls in type(ops).__mro__}
+    for host_threads in [0, 1 << 10] if torch_backend else [None]:
+        if host_threads is not None:  # torch's nonzero (0), NumPy's on the host
+            import horovod_sparse.torch.candidates as candidates
+
+            monkeypatch.setattr(candidates, "_NUMPY_CANDIDATE_THREADS", host_threads)
+        for kept_rows, dropped_rows in _traced_too(ops, split, to(flags), to(indices), to(values)):
+            for got, expected in zip(
+                kept_rows + dropped_rows,
+                (indices[flags], values[flags], indices[~flags], values[~flags]),
+            ):
+                np.testing.assert_array_equal(back(got), expected)
