@@ -211,8 +211,7 @@ class TorchKernels(HorovodPrimitives):
         held: torch.Tensor,
         adds: Sequence[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        # In place, each write is O(its indices): nothing to gain from joining them, and
-        # nothing to cancel (``held`` is not needed).
+        # In place, each write is O(its indices): nothing to join, nothing to cancel.
         buffer = self.zero_at(buffer, zeroed)
         for indices, values in adds:
             buffer = self.add_at(buffer, indices, values)
@@ -239,17 +238,29 @@ class TorchKernels(HorovodPrimitives):
         self, indices: torch.Tensor, offset: torch.Tensor | int, values: torch.Tensor
     ) -> torch.Tensor:
         local = (indices - offset).to(torch.int32)
+        if values.element_size() == 4:
+            # Two int32 words a row, the index and the value's bits: the bytes of the
+            # concatenation below without its bytewise copy (24K rows: 0.05 / 0.22 ms).
+            words = torch.empty((local.numel(), 2), dtype=torch.int32, device=local.device)
+            words[:, 0] = local
+            words[:, 1] = values.reshape(-1).view(torch.int32)
+            return words.view(torch.uint8)
         index_bytes = local.view(torch.uint8).view(-1, 4)
-        value_bytes = values.contiguous().view(torch.uint8).view(-1, values.element_size())
+        value_bytes = values.contiguous().view(-1, 1).view(torch.uint8)  # (rows, itemsize)
         return torch.cat([index_bytes, value_bytes], dim=1)
 
     def unpack_rows(
         self, rows: torch.Tensor, wire_like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Fresh buffers, not .contiguous(): with 0 or 1 rows the column slices are
-        # already "contiguous" at a byte offset or row stride that a wider dtype cannot
-        # view (e.g. float64 at offset 4).
         count, width = rows.shape
+        aligned = rows.is_contiguous() and rows.storage_offset() % 4 == 0
+        if width == 8 and wire_like.element_size() == 4 and aligned:
+            # As int32 words (24K rows, one thread: 0.04 against 0.24 ms bytewise).
+            words = rows.view(torch.int32)
+            values = words[:, 1].view(wire_like.dtype).clone(memory_format=torch.contiguous_format)
+            return words[:, 0].to(torch.int64), values
+        # Fresh buffers, not .contiguous(): with 0 or 1 rows a column slice is already
+        # "contiguous" at an offset a wider dtype cannot view (float64 at offset 4).
         index_bytes = torch.empty((count, 4), dtype=torch.uint8, device=rows.device)
         value_bytes = torch.empty((count, width - 4), dtype=torch.uint8, device=rows.device)
         indices = index_bytes.copy_(rows[:, :4]).view(torch.int32).view(-1).to(torch.int64)
@@ -329,8 +340,7 @@ class TorchKernels(HorovodPrimitives):
         self, mask: torch.Tensor, *tensors: torch.Tensor
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if numpy_serves(mask):
-            # NumPy's flatnonzero: 12K flags, half set, one thread: 0.13 against 0.41 ms
-            # for torch's nonzero and nonzero_static (0.07 against 0.12 with 90 % set).
+            # 12K flags, half (90 %) set, one thread: 0.13 (0.07) against 0.41 (0.12) ms.
             flags = mask.numpy()
             keep = torch.from_numpy(np.flatnonzero(flags))
             drop = torch.from_numpy(np.flatnonzero(~flags))

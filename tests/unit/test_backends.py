@@ -106,17 +106,41 @@ def test_adapters_implement_every_primitive():
         assert not missing, f"{cls.__name__} lacks {missing}"
 
 
+@pytest.mark.parametrize("count", [0, 1, 50])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
-def test_pack_unpack_round_trip(backend, dtype):
+def test_pack_unpack_round_trip(backend, dtype, count):
     ops, to, back = backend
     rng = np.random.default_rng(0)
-    indices = np.sort(rng.choice(1000, 50, replace=False)).astype(np.int64)
-    values = rng.standard_normal(50).astype(dtype)
+    indices = np.sort(rng.choice(1000, count, replace=False)).astype(np.int64)
+    values = rng.standard_normal(count).astype(dtype)
     rows = ops.pack_rows(to(indices), 7, to(values))
-    assert back(rows).dtype == np.uint8 and back(rows).shape == (50, 4 + np.dtype(dtype).itemsize)
+    width = 4 + np.dtype(dtype).itemsize
+    assert back(rows).dtype == np.uint8 and back(rows).shape == (count, width)
+    # Little-endian int32 index bytes, then the value's bytes, row by row.
+    expected = np.concatenate(
+        [
+            (indices - 7).astype("<i4").view(np.uint8).reshape(count, 4),
+            values.view(np.uint8).reshape(count, width - 4),
+        ],
+        axis=1,
+    )
+    np.testing.assert_array_equal(back(rows), expected)
     got_idx, got_val = ops.unpack_rows(rows, to(values))
     np.testing.assert_array_equal(back(got_idx), indices - 7)
     np.testing.assert_array_equal(back(got_val), values)
+    if count > 1:  # the rows from the second on, as a joined exchange hands them over
+        got_idx, got_val = ops.unpack_rows(rows[1:], to(values))
+        np.testing.assert_array_equal(back(got_idx), indices[1:] - 7)
+        np.testing.assert_array_equal(back(got_val), values[1:])
+    if "TorchKernels" in {cls.__name__ for cls in type(ops).__mro__}:
+        import torch
+
+        # Rows at an odd byte offset: no int32 view of them, the bytewise path.
+        shifted = torch.zeros(count * width + 1, dtype=torch.uint8)
+        shifted[1:] = rows.reshape(-1)
+        got_idx, got_val = ops.unpack_rows(shifted[1:].view(count, width), to(values))
+        np.testing.assert_array_equal(back(got_idx), indices - 7)
+        np.testing.assert_array_equal(back(got_val), values)
 
 
 def test_regions(backend):
