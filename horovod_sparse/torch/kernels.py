@@ -160,7 +160,8 @@ class TorchKernels(HorovodPrimitives):
         return values[start : start + size * stride : stride].abs()
 
     def kth_largest(self, values: torch.Tensor, k: int) -> torch.Tensor:
-        if not values.is_floating_point() and numpy_serves(values):  # the selection's keys
+        # NumPy's partition (a 25.6K-float sample, k = 256: 0.04 against 0.16 ms topk).
+        if numpy_serves(values) and values.dtype != torch.bfloat16:
             return torch.from_numpy(numpy_kth_largest(values.numpy(), int(k)))
         return torch.topk(values, k, sorted=False).values.min()
 
@@ -239,8 +240,7 @@ class TorchKernels(HorovodPrimitives):
     ) -> torch.Tensor:
         local = (indices - offset).to(torch.int32)
         if values.element_size() == 4:
-            # Two int32 words a row, the index and the value's bits: the bytes of the
-            # concatenation below without its bytewise copy (24K rows: 0.05 / 0.22 ms).
+            # Index and value bits as int32 words, not a bytewise cat (0.05 / 0.22 ms, 24K).
             words = torch.empty((local.numel(), 2), dtype=torch.int32, device=local.device)
             words[:, 0] = local
             words[:, 1] = values.reshape(-1).view(torch.int32)

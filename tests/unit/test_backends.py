@@ -488,9 +488,9 @@ def test_torch_unique_inverse_is_numpys_unique_on_the_host_path_and_on_torchs(mo
 
 
 def test_kth_largest_of_keys_and_of_values_on_every_path(backend):
-    """The global selection's int32 keys (NumPy's partition on the host, the framework's
-    selection otherwise) and a float sample (always the framework's): the k-th largest,
-    ties counted, traced too under TF."""
+    """The global selection's int32 keys and a float sample, fp32 and fp16, ties among
+    them (under torch NumPy's partition on the host, torch.topk otherwise): the k-th
+    largest, ties counted, traced too under TF."""
     import torch
 
     from horovod_sparse.common import host_candidates
@@ -500,12 +500,16 @@ def test_kth_largest_of_keys_and_of_values_on_every_path(backend):
     distinct = rng.permutation(1001).astype(np.int32)
     tied = rng.integers(0, 300, 1001).astype(np.int32)
     values = rng.standard_normal(513).astype(np.float32)
+    values[[5, 6, 7]] = values[8]
     cases = [(keys, k) for keys in (distinct, tied) for k in (1, 2, 500, 1000, 1001)]
-    cases += [(values, k) for k in (1, 77, 513)]
+    cases += [
+        (sample, k) for sample in (values, values.astype(np.float16)) for k in (1, 2, 3, 77, 513)
+    ]
     torch_threads = [1, host_candidates.HOST_PASS_THREADS + 1]  # NumPy, then torch.topk
+    torch_backend = "TorchKernels" in {cls.__name__ for cls in type(ops).__mro__}
     before = torch.get_num_threads()
     try:
-        for threads in torch_threads if type(ops).__name__ == "TorchBackend" else [None]:
+        for threads in torch_threads if torch_backend else [None]:
             if threads is not None:
                 torch.set_num_threads(threads)
             for array, k in cases:
