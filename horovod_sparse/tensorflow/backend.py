@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from horovod_sparse.common.backend import HorovodPrimitives
 from horovod_sparse.common.config import SparseConfig
-from horovod_sparse.tensorflow import kernels, residual_variable
+from horovod_sparse.tensorflow import kernels, residual_variable, wire_rows
 from horovod_sparse.tensorflow.kernels import VariableCell, scheduled_budget, top_k_mask
 
 __all__ = ["BACKEND", "TFBackend", "VariableCell"]  # VariableCell: from kernels.py
@@ -274,17 +274,10 @@ class TFBackend(HorovodPrimitives):
         return tf.gather(edges, region)
 
     def pack_rows(self, indices: tf.Tensor, offset: Any, values: tf.Tensor) -> tf.Tensor:
-        local = tf.cast(indices - offset, tf.int32)
-        index_bytes = tf.reshape(tf.bitcast(local, tf.uint8), [-1, 4])
-        value_bytes = tf.reshape(tf.bitcast(values, tf.uint8), [-1, values.dtype.size])
-        return tf.concat([index_bytes, value_bytes], axis=1)
+        return wire_rows.pack_rows(indices, offset, values)
 
     def unpack_rows(self, rows: tf.Tensor, wire_like: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        size = wire_like.dtype.size
-        rows = tf.reshape(rows, [-1, 4 + size])  # static row width for bitcast
-        indices = tf.cast(tf.bitcast(rows[:, :4], tf.int32), tf.int64)
-        values = tf.bitcast(rows[:, 4:], wire_like.dtype)
-        return indices, tf.reshape(values, [-1])
+        return wire_rows.unpack_rows(rows, wire_like)
 
     def unique_inverse(self, indices: tf.Tensor, runs: Any = None) -> tuple[tf.Tensor, tf.Tensor]:
         return kernels.unique_inverse(indices, runs)
@@ -351,10 +344,12 @@ class TFBackend(HorovodPrimitives):
         self, numel: int, like: tf.Tensor, indices: tf.Tensor, values: tf.Tensor, out: Any = None
     ) -> tf.Tensor:
         # TF tensors are immutable: ``out`` is ignored and a new tensor returned. The
-        # indices are ascending and distinct (the all-gather's rows, owners in rank
-        # order), which the sparse kernel checks.
-        rows = tf.SparseTensor(_rows(indices), tf.cast(values, like.dtype), [numel])
-        return tf.sparse.to_dense(rows)
+        # indices are distinct and ascending (the all-gather's rows, owners in rank
+        # order), which SparseToDense checks.
+        values = tf.cast(values, like.dtype)
+        if kernels.host_pass_fits(values):
+            return kernels.scatter_on_host(numel, indices, values)
+        return tf.sparse.to_dense(tf.SparseTensor(_rows(indices), values, [numel]))
 
     # ---- collectives: Horovod TF ops; the op's output stands in for the handle
     def alltoall_async(

@@ -547,3 +547,52 @@ def test_split_by_mask_keeps_and_drops_in_order_on_every_path(backend, kept, mon
                 (indices[flags], values[flags], indices[~flags], values[~flags]),
             ):
                 np.testing.assert_array_equal(back(got), expected)
+
+
+@pytest.mark.parametrize("count", [0, 1, 50])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_pack_unpack_with_an_offset_per_row_eagerly_and_traced(backend, dtype, count):
+    """Rows packed with each row's own region offset (a tensor, as a partition cuts
+    them) read back bit for bit, traced too under TF (where the host packing runs in a
+    ``tf.numpy_function``)."""
+    ops, to, back = backend
+    rng = np.random.default_rng(count)
+    indices = np.sort(rng.choice(1000, count, replace=False)).astype(np.int64)
+    offsets = np.where(indices >= 500, 500, 0).astype(np.int64)
+    values = rng.standard_normal(count).astype(dtype)
+
+    def round_trip(positions, starts, entries):
+        return ops.unpack_rows(ops.pack_rows(positions, starts, entries), entries)
+
+    for got_idx, got_val in _traced_too(ops, round_trip, to(indices), to(offsets), to(values)):
+        np.testing.assert_array_equal(back(got_idx), indices - offsets)
+        np.testing.assert_array_equal(back(got_val).view(np.uint8), values.view(np.uint8))
+
+
+@pytest.mark.parametrize("count", [0, 1, 50])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_scatter_into_writes_the_entries_over_zeros_and_leaves_earlier_results(
+    backend, dtype, count
+):
+    """Zeros with the values at the indices, in the bucket's dtype and length (traced
+    too under TF, where the host path hands NumPy's memory to TF); a second scatter
+    leaves the first result as it was."""
+    ops, to, back = backend
+    rng = np.random.default_rng(count)
+    like = to(np.zeros(0, dtype))
+    results = []
+    for draw in range(2):
+        indices = np.sort(rng.choice(1000, count, replace=False)).astype(np.int64)
+        values = (rng.standard_normal(count) + draw).astype(np.float64)  # cast to dtype
+        expected = np.zeros(1000, dtype)
+        expected[indices] = values.astype(dtype)
+
+        def scatter(positions, entries):
+            return ops.scatter_into(1000, like, positions, entries)
+
+        for got in _traced_too(ops, scatter, to(indices), to(values)):
+            assert back(got).dtype == dtype and tuple(got.shape) == (1000,)
+            np.testing.assert_array_equal(back(got), expected)
+            results.append((got, expected))
+    for got, expected in results:
+        np.testing.assert_array_equal(back(got), expected)
