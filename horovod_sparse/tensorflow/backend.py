@@ -345,7 +345,7 @@ class TFBackend(HorovodPrimitives):
     ) -> tf.Tensor:
         # TF tensors are immutable: ``out`` is ignored and a new tensor returned. The
         # indices are distinct and ascending (the all-gather's rows, owners in rank
-        # order), which SparseToDense checks.
+        # order): SparseToDense checks it, the host scatter relies on it.
         values = tf.cast(values, like.dtype)
         if kernels.host_pass_fits(values):
             return kernels.scatter_on_host(numel, indices, values)
