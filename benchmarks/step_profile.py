@@ -9,7 +9,8 @@ per step (medians over the measured steps; the whole step is the slowest rank's)
   ``horovod_sparse.torch.DistributedOptimizer`` at its defaults, SGD with momentum
   (``--torch-modes``: ``dense``, ``sparse``, ``auto`` by default; ``no-lookahead`` and
   ``no-lookahead-no-correction`` turn off the residual lookahead, then the momentum
-  correction too, to show what each costs);
+  correction too, to show what each costs; ``all-dense`` runs the sparse optimizer at
+  density 1.0, what a scheduler that chose dense for every bucket would cost);
 * TF (``--framework tf``): a ``tf.function`` training step with
   ``hvd.DistributedGradientTape`` and with ``horovod_sparse.tensorflow``'s, SGD with
   momentum (Keras); the step is one traced call, so it is not split further.
@@ -119,6 +120,7 @@ MODES = {
     "sparse": "sparse (defaults)",
     "no-lookahead": "sparse, residual_lookahead=False",
     "no-lookahead-no-correction": "sparse, no lookahead, momentum_correction=False",
+    "all-dense": "the sparse optimizer at density=1.0 (every step dense)",
     "auto": 'sparse, scheduler="auto"',
 }
 # The sparse optimizer's options per mode (the defaults' parts, turned off one by one).
@@ -126,6 +128,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "sparse": {},
     "no-lookahead": {"residual_lookahead": False},
     "no-lookahead-no-correction": {"residual_lookahead": False, "momentum_correction": False},
+    "all-dense": {"density": 1.0},
     "auto": {"scheduler": "auto"},
 }
 
