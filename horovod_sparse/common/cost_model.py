@@ -14,8 +14,9 @@ process set itself) and P ranks:
   the all-gather.
 
 Here the link is probed and fitted (:func:`probe_link`, :func:`fit_link`) and each step
-predicted; the scheduler (:mod:`horovod_sparse.common.scheduler`) probes at each decision
-and weighs these predictions against measured step times.
+predicted; the scheduler (:mod:`horovod_sparse.common.scheduler`) probes while a
+prediction can still decide something (a bucket with a mode never measured) and weighs
+these predictions against measured step times.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "dense_seconds",
     "fit_link",
     "probe_link",
+    "probe_numels",
     "ring_terms",
     "sparse_seconds",
 ]
@@ -111,11 +113,26 @@ def sparse_seconds(
     return local + alltoall + histograms + allgather
 
 
-def probe_link(ops: Backend, like: Tensor, world: int, name: str, process_set: Any) -> LinkModel:
-    """Alpha and beta of the process set's link, from timed allreduces (the fastest
-    of ``PROBE_REPEATS`` per size)."""
+def probe_numels(largest: int) -> tuple[int, ...]:
+    """The probe sizes for buckets of at most ``largest`` values: ``PROBE_NUMELS``, none
+    beyond ``largest``. A probe larger than every bucket predicts no exchange better,
+    and it is what a probe's time goes to (a 2^23-float allreduce on loopback takes
+    tens of milliseconds, a whole step of a 1M-parameter model)."""
+    return tuple(sorted({min(numel, max(1, largest)) for numel in PROBE_NUMELS}))
+
+
+def probe_link(
+    ops: Backend,
+    like: Tensor,
+    world: int,
+    name: str,
+    process_set: Any,
+    numels: tuple[int, ...] = PROBE_NUMELS,
+) -> LinkModel:
+    """Alpha and beta of the process set's link, from timed allreduces of ``numels``
+    values (the fastest of ``PROBE_REPEATS`` per size)."""
     samples = []
-    for numel in PROBE_NUMELS:
+    for numel in numels:
         best = math.inf
         for repeat in range(PROBE_REPEATS):
             probe = ops.zeros(numel, like)

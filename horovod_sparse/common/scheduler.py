@@ -11,7 +11,11 @@ A bucket starts sparse. At its first decision only the sparse side is measured, 
 unless the model puts the dense side beyond ``TRIAL_FACTOR`` times the measured sparse
 cost, the bucket is proposed dense. (The model alone chose wrongly both ways on
 emulated links: its error against measured steps reached 149%.) Once both sides are
-measured, the cheaper one is proposed.
+measured, the cheaper one is proposed. Where no bucket's cheaper side differs from its
+current one, a decision explores: it proposes the other side of every bucket measured
+slower, but within ``TRIAL_FACTOR`` of the current one, because per-bucket seconds
+mislead where ranks share cores (on the demo's model sparse measured 3.4-7.5 ms a bucket
+against dense's 3.8-5.9 ms, while whole steps favoured dense).
 
 Per-bucket exchange seconds do not see everything either: where ranks share cores, one
 bucket's selection or background copy slows everyone's backward. So a proposal that
@@ -20,12 +24,16 @@ if the median time of a whole training step (each step's time averaged over rank
 that of the modes before it; otherwise those return. The median, not the mean: where
 ranks share cores, single steps stall for several times the usual step (3 s steps with
 7 s and 12 s among them, 4 ranks on 2 cores), and one such stall in a window of five
-would decide a trial by itself. A rejected proposal may be tried again at a later
-decision, every ``every`` steps. Whole steps are counted from step ``first`` on, so the
-first decision comes at step ``2 * first``: the first steps of training run slower
-(allocations, connections, first threshold estimates) and would favour any trial. The
-first step after a decision is not counted either (it carries the probes and any fold
-of the residual).
+would decide a trial by itself. The baseline is the last ``2 * first`` steps before the
+trial, not the whole window since the last decision: a machine shared with other work
+drifts (medians of 10.0 and 13.0 ms for the same modes a hundred steps apart on the demo's
+model). A rejected proposal may be tried again at a later decision, every ``every``
+steps; each bucket trial rejected in a row doubles that wait, up to
+``2 ** BACKOFF_DOUBLINGS`` times ``every``, and one kept resets it. Whole steps are
+counted from step ``first`` on, so the first decision comes at step ``2 * first``: the
+first steps of training run slower (allocations, connections, first threshold estimates)
+and would favour any trial. The first step after a decision is not counted either (it
+carries the probes and any fold of the residual).
 
 The same trials can judge the all-gather overlap (``overlap_allgather="auto"``): where
 the overlapped all-gather and the next forward compete for the same cores instead of
@@ -38,9 +46,15 @@ overlap setting may differ once modes have changed). The rule is the same: the t
 setting is kept only if whole steps get faster. Both settings follow the same
 trajectory; only when the all-gathers are waited for differs.
 
-Every decision probes the link afresh; rank 0's decision is broadcast, so every rank
-exchanges each bucket the same way and decides at the same steps. Both sides only need
-numbers: the probes and the broadcast run through the framework backend.
+A decision probes the link only while the model can still decide something: while a
+bucket has a mode never measured, and again if the process set's size changes. Once
+every bucket has run both ways, measured times decide, and a decision sends two small
+collectives. The probes stop at the largest bucket's size: on the demo's model (one
+1.19M-value bucket, 2 ranks on 2 cores) probing up to 2^23 values made a decision's step
+185-210 ms against a 10-13 ms step, about 1.9 ms a step at ``every`` = 100. Rank 0's
+decision is broadcast, so every rank exchanges each bucket the same way and decides at
+the same steps. Both sides only need numbers: the probes and the broadcast run through
+the framework backend.
 """
 
 from __future__ import annotations
@@ -52,7 +66,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from horovod_sparse.common.backend import Backend, Tensor
-from horovod_sparse.common.cost_model import LinkModel, dense_seconds, probe_link, sparse_seconds
+from horovod_sparse.common.cost_model import (
+    LinkModel,
+    dense_seconds,
+    probe_link,
+    probe_numels,
+    sparse_seconds,
+)
 
 __all__ = ["AutoScheduler", "BucketChoice", "TrialOutcome"]
 
@@ -60,6 +80,8 @@ __all__ = ["AutoScheduler", "BucketChoice", "TrialOutcome"]
 # this many times the measured cost of the current mode: the model's error against
 # measured steps on emulated 1 and 10 Gbit/s links reached 149% (benchmarks/scaling.py).
 TRIAL_FACTOR = 2.5
+# A bucket trial rejected doubles the steps to the next decision, up to this many times.
+BACKOFF_DOUBLINGS = 3
 # What a decision starts, as broadcast from rank 0.
 NO_TRIAL, BUCKET_TRIAL, OVERLAP_TRIAL = 0.0, 1.0, 2.0
 
@@ -127,8 +149,10 @@ class BucketChoice:
         self._settling = self._settling or self.dense != dense
         self.dense = dense
 
-    def proposal(self) -> bool:
-        """The mode this bucket's own costs suggest (True: dense)."""
+    def proposal(self, explore: bool = False) -> bool:
+        """The mode this bucket's own costs suggest (True: dense). ``explore``: also
+        the other mode where it was measured slower, but within ``TRIAL_FACTOR`` of
+        this one (its exchange seconds may mislead: see the module's text)."""
         current = self.measured_dense if self.dense else self.measured_sparse
         other = self.measured_sparse if self.dense else self.measured_dense
         predicted_other = self.predicted_sparse if self.dense else self.predicted_dense
@@ -139,7 +163,9 @@ class BucketChoice:
             if not math.isnan(predicted_other) and predicted_other <= TRIAL_FACTOR * current:
                 return not self.dense
             return self.dense
-        return self.measured_dense < self.measured_sparse
+        if other < current or (explore and other <= TRIAL_FACTOR * current):
+            return not self.dense
+        return self.dense
 
 
 @dataclass(frozen=True)
@@ -204,11 +230,15 @@ class AutoScheduler:
         self.overlap = overlap
         self.choices = [BucketChoice(n, size) for n, size in buckets]
         self.link: LinkModel | None = None
+        self._link_world = 0  # the process set's size when the link was probed
         self.decisions = 0
         self.next_decision = 2 * self.first  # the step at which the next decision is due
         # Median seconds of a whole step under the current modes (NaN until measured).
         self.step_seconds = math.nan
         self.trials: list[TrialOutcome] = []  # every trial so far, for the adapter to show
+        # Bucket trials rejected in a row: each doubles the wait before the next decision
+        # (up to 2**BACKOFF_DOUBLINGS times ``every``), as each makes one more unlikely to pay.
+        self.rejections = 0
         # The modes and overlap a trial started from, and their median step seconds.
         self._trial_of: tuple[tuple[bool, ...], bool | None, float] | None = None
         self._step_times: list[float] = []  # this rank's whole steps since the last decision
@@ -237,7 +267,8 @@ class AutoScheduler:
         self._steps_to_skip = 1
 
     def decide(self, like: Tensor, step: int | None = None) -> list[bool]:
-        """Probe the link, share the measurements, and choose; returns dense flags.
+        """Probe the link where needed, share the measurements, and choose; returns
+        dense flags.
 
         At the end of a trial: keep the tried setting or return to the one before, by
         the median step time; where the scheduler owns the overlap, a bucket trial is
@@ -248,17 +279,23 @@ class AutoScheduler:
         after ``first`` steps when a trial starts, else after ``every`` steps.
         :attr:`overlap` holds the overlap setting chosen.
 
-        Sends: ``len(PROBE_NUMELS) * PROBE_REPEATS`` allreduces (up to 32 MiB; none
-        without ``choose_density``), one allreduce of 6 values per bucket and one per
-        whole step since the last decision, one broadcast of one value per bucket and
-        two more.
+        Sends: where it probes (:meth:`_needs_probe`), ``PROBE_REPEATS`` allreduces per
+        probe size (up to 32 MiB, no larger than the largest bucket); then one
+        allreduce of 6 values per bucket and one per whole step since the last
+        decision, one broadcast of one value per bucket and two more.
         """
         world = self.ops.size(self.process_set)
-        if self.choose_density:
-            link: LinkModel | None = probe_link(self.ops, like, world, self.name, self.process_set)
-        else:
-            link = self.link
-        step_seconds = self._share_measurements(like, world, link)
+        step_seconds = self._share_measurements(like)
+        link = self.link
+        if self._needs_probe(world):
+            largest = max(choice.numel for choice in self.choices)
+            link = probe_link(
+                self.ops, like, world, self.name, self.process_set, probe_numels(largest)
+            )
+            self._link_world = world
+        if link is not None and self.choose_density:
+            for choice in self.choices:
+                self._predict(choice, link, world)
         current = tuple(choice.dense for choice in self.choices)
         if self._trial_of is not None:
             modes, overlap, trial = self._end_trial(self._trial_of, current, step_seconds)
@@ -266,21 +303,42 @@ class AutoScheduler:
             modes, overlap, trial = self._propose(current, step_seconds)
         flags, overlap, trial = self._broadcast_choice(modes, overlap, trial, like)
         self._start(current, flags, overlap, trial)
+        if trial != NO_TRIAL:
+            interval = self.first
+        else:
+            interval = self.every << min(self.rejections, BACKOFF_DOUBLINGS)
         self._steps_to_skip = 1  # the next step carries this decision's probes
         self.link = link
         self.decisions += 1
         now = self.next_decision if step is None else step
-        self.next_decision = now + (self.first if trial != NO_TRIAL else self.every)
+        self.next_decision = now + interval
         return [choice.dense for choice in self.choices]
 
-    def _share_measurements(self, like: Tensor, world: int, link: LinkModel | None) -> float:
+    def _needs_probe(self, world: int) -> bool:
+        """Whether this decision probes the link: only while a prediction can decide
+        something, that is while a bucket has a mode never measured (once both are,
+        measured times decide), and again if the process set's size changed. The same
+        on every rank: every rank holds the same means over ranks."""
+        if not self.choose_density:
+            return False
+        if self.link is None or self._link_world != world:
+            return True
+        return any(
+            math.isnan(choice.measured_dense) or math.isnan(choice.measured_sparse)
+            for choice in self.choices
+        )
+
+    def _share_measurements(self, like: Tensor) -> float:
         """Means over ranks of what each bucket measured since the last decision, into
-        its :class:`BucketChoice` with the predictions of ``link`` (where the density is
-        chosen); returns the median over this window's whole steps of their mean over
-        ranks (NaN if none). Every rank counts the same steps: they are collective."""
+        its :class:`BucketChoice`; returns the median over this window's whole steps of
+        their mean over ranks (NaN if none). Every rank counts the same steps: they are
+        collective."""
         ops = self.ops
         windows = [x for choice in self.choices for x in choice.take_windows()]
-        step_times, self._step_times = self._step_times, []
+        # The steps just before a trial are its baseline: a machine shared with other
+        # work drifts over a whole window (medians of 10.0 and 13.0 ms for the same modes
+        # a hundred steps apart on the demo's model).
+        step_times, self._step_times = self._step_times[-2 * self.first :], []
         summed = ops.to_host_list(
             ops.wait(
                 ops.allreduce_sum_async(
@@ -291,15 +349,15 @@ class AutoScheduler:
             )
         )
         for index, choice in enumerate(self.choices):
-            self._update_choice(choice, summed[6 * index : 6 * index + 6], link, world)
+            self._update_choice(choice, summed[6 * index : 6 * index + 6])
         summed_steps = summed[len(windows) :]
+        world = ops.size(self.process_set)
         return statistics.median(summed_steps) / world if summed_steps else math.nan
 
-    def _update_choice(
-        self, choice: BucketChoice, sums: list[float], link: LinkModel | None, world: int
-    ) -> None:
+    @staticmethod
+    def _update_choice(choice: BucketChoice, sums: list[float]) -> None:
         """One bucket's summed windows (local work, dense and sparse seconds, each as
-        sum and count) into its measured costs, and the predictions of ``link``."""
+        sum and count) into its measured costs."""
         local, n_local, dense_s, n_dense, sparse_s, n_sparse = sums
         if n_local:
             choice.local_per_element = local / n_local
@@ -307,8 +365,9 @@ class AutoScheduler:
             choice.measured_dense = dense_s / n_dense
         if n_sparse:
             choice.measured_sparse = sparse_s / n_sparse
-        if link is None:
-            return  # no density choice: nothing to predict
+
+    def _predict(self, choice: BucketChoice, link: LinkModel, world: int) -> None:
+        """The model's seconds of a dense and a sparse step of ``choice`` over ``link``."""
         choice.predicted_dense = dense_seconds(link, choice.numel, choice.itemsize, world)
         if not math.isnan(choice.local_per_element):
             k = max(1, math.ceil(self.density * choice.numel))
@@ -336,6 +395,8 @@ class AutoScheduler:
         )
         if not kept:
             modes, overlap = before, overlap_before
+        if before != current:
+            self.rejections = 0 if kept else self.rejections + 1
         self.step_seconds = step_seconds if kept else seconds_before
         if overlap is not None and before != current:
             overlap, trial = not overlap, OVERLAP_TRIAL
@@ -356,22 +417,23 @@ class AutoScheduler:
             trial = BUCKET_TRIAL
         elif overlap is not None:
             overlap, trial = not overlap, OVERLAP_TRIAL
+        elif self.choose_density:
+            modes = tuple(choice.proposal(explore=True) for choice in self.choices)
+            trial = BUCKET_TRIAL if modes != current else NO_TRIAL
         return modes, overlap, trial
 
     def _broadcast_choice(
         self, modes: tuple[bool, ...], overlap: bool | None, trial: float, like: Tensor
     ) -> tuple[list[bool], bool | None, float]:
-        """Rank 0's modes, overlap, and trial kind (which sets the next decision's step)
-        for everyone: float rounding can never split the ranks."""
+        """Rank 0's modes, overlap, trial kind and count of bucket trials rejected in a
+        row (which set the next decision's step) for everyone: float rounding can never
+        split the ranks."""
         ops = self.ops
-        *flags, overlap_flag, trial = ops.to_host_list(
-            ops.broadcast(
-                ops.from_host([float(d) for d in modes] + [float(bool(overlap)), trial], like),
-                0,
-                f"{self.name}.choice",
-                self.process_set,
-            )
+        choice = [float(d) for d in modes] + [float(bool(overlap)), trial, float(self.rejections)]
+        *flags, overlap_flag, trial, rejections = ops.to_host_list(
+            ops.broadcast(ops.from_host(choice, like), 0, f"{self.name}.choice", self.process_set)
         )
+        self.rejections = int(rejections)
         chosen_overlap = bool(overlap_flag) if self.overlap is not None else None
         return [bool(flag) for flag in flags], chosen_overlap, trial
 

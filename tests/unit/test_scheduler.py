@@ -159,7 +159,9 @@ def test_a_trial_is_kept_only_if_whole_steps_get_faster(trial_step_s, kept):
     assert outcome.seconds_tried == pytest.approx(trial_step_s)
     assert outcome.kept == kept
     assert scheduler.step_seconds == pytest.approx(trial_step_s if kept else 2.0)
-    assert scheduler.next_decision == 25  # no trial pending: the regular interval
+    # No trial pending: the regular interval, doubled after a rejected bucket trial.
+    assert scheduler.next_decision == (25 if kept else 35)
+    assert scheduler.rejections == (0 if kept else 1)
 
 
 @pytest.mark.parametrize(
@@ -232,10 +234,23 @@ def test_measured_bucket_times_overrule_the_model():
         scheduler.observe_step(seconds)
     assert scheduler.decide(like=None, step=15) == [False]  # steps were slower: back
     assert choice.measured_dense == pytest.approx(9.0)
-    # With both modes measured, the bucket's own costs propose sparse: no new trial.
+    # With both modes measured, the bucket's own costs propose sparse; dense, measured
+    # within TRIAL_FACTOR of it, is explored again after twice the interval (a rejection).
+    assert scheduler.next_decision == 15 + 2 * scheduler.every
     choice.observe(False, 5.0, 2.5e-9 * choice.numel)
-    assert scheduler.decide(like=None, step=scheduler.next_decision) == [False]
+    assert scheduler.decide(like=None, step=scheduler.next_decision) == [True]
     assert len(scheduler.trials) == 1
+
+
+def test_a_mode_measured_far_slower_is_not_explored():
+    link = LinkModel(5e-5, 2e-10)
+    scheduler = AutoScheduler(FakeOps(link, 4), "s", None, [(25_000_000, 4)], density=0.01)
+    choice = scheduler.choices[0]
+    for seconds in (60.0, 1.0):  # sparse: the first step is not counted
+        choice.observe(False, seconds, 2.5e-9 * choice.numel)
+    choice.measured_dense = 2.6  # dense measured beyond TRIAL_FACTOR (2.5) times sparse
+    assert scheduler.decide(like=None, step=10) == [False]
+    assert scheduler.trials == [] and scheduler.next_decision == 10 + scheduler.every
 
 
 @pytest.mark.parametrize("off_step_s, kept", [(1.5, True), (2.5, False)])
