@@ -31,7 +31,8 @@ demo: bootstrap
 	mkdir -p $(DEMO_OUT)
 	$(RUN) horovodrun -np 2 -H localhost:2 --gloo $(PY) examples/pytorch/train_synthetic.py --density 1.0 --json $(DEMO_OUT)/dense.json
 	$(RUN) horovodrun -np 2 -H localhost:2 --gloo $(PY) examples/pytorch/train_synthetic.py --density 0.01 --json $(DEMO_OUT)/sparse.json
-	$(PY) examples/compare.py $(DEMO_OUT)/dense.json $(DEMO_OUT)/sparse.json
+	$(RUN) horovodrun -np 2 -H localhost:2 --gloo $(PY) examples/pytorch/train_synthetic.py --density 0.01 --scheduler auto --json $(DEMO_OUT)/auto.json
+	$(PY) examples/compare.py $(DEMO_OUT)/dense.json $(DEMO_OUT)/sparse.json $(DEMO_OUT)/auto.json
 
 # A quick subset (under 10 minutes on 2 cores); README "Performance" has the full commands.
 bench: bootstrap

@@ -39,8 +39,13 @@ Columns:
     python benchmarks/step_profile.py [--model demo,wide] [--framework torch,tf]
                                       [--ranks 2] [--threads default,1]
                                       [--steps 60] [--warmup 20] [--tf-eager]
+                                      [--auto-runs 1]
 
 ``--tf-eager`` runs TF's training step eagerly instead of as one traced call.
+``--auto-runs N`` trains ``scheduler="auto"`` N times, each with a fresh model and
+optimizer, and prints a second table: each run's trials, its steps slower than three
+times its median (where a decision probes the link), the modes it ended in and its last
+100 steps' median against dense's.
 
 ``--threads default`` sets nothing (``horovodrun`` sets no thread count, so each
 framework takes every core in every rank); ``1`` sets one intra-op thread in every rank.
@@ -50,6 +55,7 @@ Writes JSON and a markdown table (default under results/step_profile.*).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -161,6 +167,7 @@ class TorchRun:
         self.model, self.mode, self.model_name, self.warmup = model, mode, model_name, warmup
         self.rows: list[dict] = []
         self.total = 0.0
+        self.every_step_s: list[float] = []  # warm-up included: the first decision is in it
 
     def step(self, step: int) -> None:
         import horovod.torch as hvd
@@ -181,6 +188,7 @@ class TorchRun:
             name=f"t.{self.mode}.{step}",
         )
         self.total += float(slowest)
+        self.every_step_s.append(float(slowest))
         if step < self.warmup:
             return
         row = {
@@ -202,7 +210,7 @@ class TorchRun:
         self.rows.append(row)
 
     def result(self, paired: bool) -> dict:
-        return {
+        out = {
             "model": self.model_name,
             "framework": "torch",
             "mode": MODES[self.mode],
@@ -212,6 +220,10 @@ class TorchRun:
             "paired": paired,
             "rows": self.rows,
         }
+        if self.mode == "auto":
+            out["trials"] = [dataclasses.asdict(t) for t in self.optimizer.schedule_trials()]
+            out["every_step_s"] = self.every_step_s
+        return out
 
 
 def interleaved(runs: list[Any], steps: int) -> None:
@@ -329,7 +341,13 @@ def tf_worker(
 
 
 def worker(
-    models: list[str], modes: list[str], threads: str, steps: int, warmup: int, out: str
+    models: list[str],
+    modes: list[str],
+    threads: str,
+    steps: int,
+    warmup: int,
+    out: str,
+    auto_runs: int,
 ) -> None:
     import horovod.torch as hvd
     import torch
@@ -345,7 +363,7 @@ def worker(
         together = [TorchRun(model_name, mode, warmup) for mode in modes if mode != "auto"]
         interleaved(together, warmup + steps)
         results += [run.result(paired=True) | setting for run in together]
-        if "auto" in modes:
+        for _ in range(auto_runs if "auto" in modes else 0):
             alone = TorchRun(model_name, "auto", warmup)
             interleaved([alone], warmup + steps)
             results.append(alone.result(paired=False) | setting)
@@ -430,6 +448,53 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def modes_text(dense: list[bool]) -> str:
+    return "".join("D" if flag else "S" for flag in dense)
+
+
+def auto_markdown(results: list[dict], table: list[dict]) -> str:
+    """Each ``scheduler="auto"`` run: its trials, its slowest steps (the decisions that
+    probe the link show there), how it ended, and its last 100 steps against dense's."""
+    lines = [
+        "| model | threads | run | trials (modes per bucket, D dense: before -> tried, "
+        "median ms each, kept) | steps over 3x the median (step: ms) | ended "
+        "| last 100 ms | vs dense's median |",
+        "|---|---|---:|---|---|---|---:|---:|",
+    ]
+    dense = {
+        (t["model"], t["P"], t["threads"]): t["step_s"]
+        for t in table
+        if t["framework"] == "torch" and t["mode"].startswith("dense")
+    }
+    runs: dict[tuple, int] = {}
+    for result in results:
+        if "trials" not in result:
+            continue
+        setting = (result["model"], result["P"], result["threads"])
+        runs[setting] = runs.get(setting, 0) + 1
+        trials = "; ".join(
+            f"{modes_text(t['before'])} -> {modes_text(t['tried'])} "
+            f"{1e3 * t['seconds_before']:.1f} / {1e3 * t['seconds_tried']:.1f} "
+            f"{'kept' if t['kept'] else 'rejected'}"
+            for t in result["trials"]
+        )
+        every = result["every_step_s"]
+        typical = statistics.median(every)
+        slow = ", ".join(
+            f"{i}: {1e3 * s:.0f}" for i, s in enumerate(every) if s > 3 * typical and i > 0
+        )
+        last = statistics.median(every[-100:])
+        ended = result["rows"][-1]
+        cells = [
+            result["model"], str(result["threads"]), str(runs[setting]), trials or "none",
+            slow or "none",
+            f"{ended['dense_buckets']} of {ended['dense_buckets'] + ended['sparse_buckets']} dense",
+            f"{1e3 * last:.1f}", f"{last / dense[setting]:.2f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo,wide")
@@ -440,6 +505,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "results" / "step_profile"))
+    parser.add_argument(
+        "--auto-runs", type=int, default=1, help='fresh scheduler="auto" runs, one after another'
+    )
     parser.add_argument(
         "--tf-eager", action="store_true", help="TF: run the training step eagerly, untraced"
     )
@@ -459,7 +527,15 @@ def main() -> None:
                 models, args.worker_threads, args.steps, args.warmup, args.worker, args.tf_eager
             )
         else:
-            worker(models, modes, args.worker_threads, args.steps, args.warmup, args.worker)
+            worker(
+                models,
+                modes,
+                args.worker_threads,
+                args.steps,
+                args.warmup,
+                args.worker,
+                args.auto_runs,
+            )
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -477,7 +553,7 @@ def main() -> None:
             sys.executable, __file__, "--model", args.model,
             "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--worker-threads", threads, "--worker-framework", framework,
-            "--torch-modes", ",".join(modes),
+            "--torch-modes", ",".join(modes), "--auto-runs", str(args.auto_runs),
             "--worker", str(part),
         ] + (["--tf-eager"] if args.tf_eager else [])  # fmt: skip
         env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -487,6 +563,8 @@ def main() -> None:
     table = summarize(results)
     out.with_suffix(".json").write_text(json.dumps({"table": table, "runs": results}, indent=1))
     text = markdown(table)
+    if any("trials" in result for result in results):
+        text += "\n\n" + auto_markdown(results, table)
     out.with_suffix(".md").write_text(text + "\n")
     print(text)
 

@@ -4,10 +4,14 @@ Besides what was measured (loss, bytes, seconds on this machine's loopback), it 
 what each step's exchange would take on 1, 10 and 100 Gbit/s links by the alpha-beta
 model of the README's scaling section: ALPHA_S per message step of a collective (the
 ring steps of each allreduce, alltoall and allgather the run issued) plus the bytes one
-rank sends, at the link's rate. That column is a model, not a measurement.
+rank sends, at the link's rate. That column is a model, not a measurement. For a run
+with ``--scheduler auto`` it then says what the scheduler chose for each bucket, on
+which measured exchange times, and every trial it ran (whole-step medians before and
+during the trial).
 """
 
 import json
+import math
 import sys
 
 # Seconds per message step, fitted to Horovod's collectives on the emulated cluster
@@ -23,6 +27,33 @@ def modelled_ms(row: dict, gbit: int) -> float | None:
         gbit * 1e9
     )
     return seconds * 1e3
+
+
+def ms(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.1f} ms"
+
+
+def modes(dense: list[bool]) -> str:
+    return ",".join("dense" if flag else "sparse" for flag in dense)
+
+
+def explain_schedule(row: dict) -> None:
+    """What scheduler="auto" chose per bucket, on which measurements, and its trials."""
+    print(f"\n{row['mode']}: what it chose and why")
+    for name, choice in row["schedule"].items():
+        print(
+            f"  bucket {name}: {choice['mode']}; its exchange measured "
+            f"{ms(choice['measured_dense_s'])} a step dense, "
+            f"{ms(choice['measured_sparse_s'])} sparse"
+        )
+    for trial in row["trials"]:
+        verdict = "kept" if trial["kept"] else "rejected"
+        print(
+            f"  trial {modes(trial['before'])} -> {modes(trial['tried'])}: median step "
+            f"{ms(trial['seconds_before'])} -> {ms(trial['seconds_tried'])}, {verdict}"
+        )
+    if not row["trials"]:
+        print("  no trial: every bucket kept the mode it started in")
 
 
 rows = [json.load(open(path)) for path in sys.argv[1:]]
@@ -41,6 +72,9 @@ for r in rows:
         f"{r['mode']:36s} {r['final_loss']:10.4f} {r['bytes_per_step']:14,.0f} "
         f"{ratio:9.2%} {r['seconds']:10.1f}   {cells}"
     )
+for r in rows:
+    if "schedule" in r:
+        explain_schedule(r)
 print(
     "\nLoopback seconds are measured here: the ranks share this machine's cores and copy"
     "\nthrough memory, so dense pays no network time and sparse pays for its local"

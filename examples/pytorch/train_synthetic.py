@@ -5,12 +5,15 @@ Run with 2 ranks:
     horovodrun -np 2 -H localhost:2 --gloo python examples/pytorch/train_synthetic.py --density 1.0
 
 ``--density 1.0`` uses Horovod's own ``hvd.DistributedOptimizer`` (dense allreduce);
-anything below uses ``horovod_sparse.torch.DistributedOptimizer``.
+anything below uses ``horovod_sparse.torch.DistributedOptimizer``. ``--scheduler auto``
+lets it choose, per bucket and from measured steps, whether to exchange densely or
+sparsely; the summary then says what it chose and on which measurements.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -43,6 +46,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--warmup-steps", type=int, default=0, help="dense steps first")
     parser.add_argument("--decay-steps", type=int, default=0, help="density decay after warm-up")
+    parser.add_argument("--scheduler", choices=("fixed", "auto"), default="fixed")
     parser.add_argument("--json", default=None, help="write a summary here (rank 0)")
     args = parser.parse_args()
 
@@ -69,8 +73,11 @@ def main() -> None:
             density=args.density,
             warmup_steps=args.warmup_steps,
             density_decay_steps=args.decay_steps,
+            scheduler=args.scheduler,
         )
         mode = f"sparse density={args.density}"
+        if args.scheduler == "auto":
+            mode += ", scheduler=auto"
     numel = sum(p.numel() for p in model.parameters())
     x, y = make_data(hvd.rank(), 16, args.batch_size, features, classes)
 
@@ -100,8 +107,9 @@ def main() -> None:
             # P = 2 one allgather, gather_selections), 4 histogram allreduces on a step
             # where a threshold refreshes, one allreduce for the dense buckets.
             refresh = 4 if s.global_refreshes else 0
-            refreshed.append(s.global_refreshes > 0)
-            kept.append(s.selected - (numel - sparse_numel))
+            if s.sparse_buckets:  # scheduler="auto" may exchange the bucket densely
+                refreshed.append(s.global_refreshes > 0)
+                kept.append(s.selected - (numel - sparse_numel))
             sparse = (1 if hvd.size() == 2 else 2) if s.sparse_buckets else 0
             steps = ring * (sparse + 2 * refresh + (2 if s.dense_buckets else 0))
         moved.append(sent + received)
@@ -127,12 +135,17 @@ def main() -> None:
         "dense_bytes_per_step": dense_sent + dense_received,
         "seconds": elapsed,
     }
-    # The reused threshold in steady state (refreshes <= 5 % of steps, kept about k).
+    # The reused threshold in steady state (refreshes <= 5 % of steps, kept about k),
+    # after the first 50 sparse steps.
     reuse = settled_reuse(refreshed, kept, sparse_k, SETTLED)
     if reuse:
         summary["refresh_fraction_after_50"] = reuse["refresh_fraction"]
         summary["kept_over_k_after_50"] = reuse["kept_over_k"]
         summary["within_tenth_of_k_after_50"] = reuse["within_tenth_of_k"]
+    if args.scheduler == "auto" and args.density < 1.0:
+        # What the scheduler chose per bucket, on which measurements, and its trials.
+        summary["schedule"] = optimizer.schedule()
+        summary["trials"] = [dataclasses.asdict(trial) for trial in optimizer.schedule_trials()]
     if hvd.rank() == 0:
         print(json.dumps(summary))
         if args.json:
