@@ -43,9 +43,10 @@ Columns:
 
 ``--tf-eager`` runs TF's training step eagerly instead of as one traced call.
 ``--auto-runs N`` trains ``scheduler="auto"`` N times, each with a fresh model and
-optimizer, and prints a second table: each run's trials, its steps slower than three
-times its median (where a decision probes the link), the modes it ended in and its last
-100 steps' median against dense's.
+optimizer and each after a dense run alone (its anchor: "vs dense" of an auto row is
+against that run), and prints a second table: each run's trials, its steps slower than
+three times its median (where a decision probes the link), the modes it ended in and
+its last 100 steps' median against the dense run's.
 
 ``--threads default`` sets nothing (``horovodrun`` sets no thread count, so each
 framework takes every core in every rank); ``1`` sets one intra-op thread in every rank.
@@ -213,7 +214,7 @@ class TorchRun:
         out = {
             "model": self.model_name,
             "framework": "torch",
-            "mode": MODES[self.mode],
+            "mode": MODES[self.mode] + ("" if paired or self.sparse else ", alone"),
             "parameters": sum(p.numel() for p in self.model.parameters()),
             # Every step, the warm-up's too (the scheduler's first trial runs at steps 10-14).
             "all_steps_s": self.total,
@@ -223,6 +224,7 @@ class TorchRun:
         if self.mode == "auto":
             out["trials"] = [dataclasses.asdict(t) for t in self.optimizer.schedule_trials()]
             out["every_step_s"] = self.every_step_s
+            out["ended_dense"] = [c["mode"] == "dense" for c in self.optimizer.schedule().values()]
         return out
 
 
@@ -364,9 +366,12 @@ def worker(
         interleaved(together, warmup + steps)
         results += [run.result(paired=True) | setting for run in together]
         for _ in range(auto_runs if "auto" in modes else 0):
-            alone = TorchRun(model_name, "auto", warmup)
-            interleaved([alone], warmup + steps)
-            results.append(alone.result(paired=False) | setting)
+            # Dense alone just before, the anchor of this run's ratio: the machine's speed
+            # drifts between the paired runs above and this one.
+            for mode in ("dense", "auto"):
+                alone = TorchRun(model_name, mode, warmup)
+                interleaved([alone], warmup + steps)
+                results.append(alone.result(paired=False) | setting)
     if hvd.rank() == 0:
         Path(out).write_text(json.dumps(results))
 
@@ -452,25 +457,24 @@ def modes_text(dense: list[bool]) -> str:
     return "".join("D" if flag else "S" for flag in dense)
 
 
-def auto_markdown(results: list[dict], table: list[dict]) -> str:
+def auto_markdown(results: list[dict]) -> str:
     """Each ``scheduler="auto"`` run: its trials, its slowest steps (the decisions that
-    probe the link show there), how it ended, and its last 100 steps against dense's."""
+    probe the link show there), how it ended, and its last 100 steps against the median
+    step of the dense run trained alone just before it."""
     lines = [
-        "| model | threads | run | trials (modes per bucket, D dense: before -> tried, "
-        "median ms each, kept) | steps over 3x the median (step: ms) | ended "
-        "| last 100 ms | vs dense's median |",
+        "| model | threads | run | trials (modes per sparse bucket, D dense: before -> tried, "
+        "median ms each, kept) | steps over 3x the median (step: ms) | ended in "
+        "| last 100 ms | vs dense alone before it |",
         "|---|---|---:|---|---|---|---:|---:|",
     ]
-    dense = {
-        (t["model"], t["P"], t["threads"]): t["step_s"]
-        for t in table
-        if t["framework"] == "torch" and t["mode"].startswith("dense")
-    }
+    dense: dict[tuple, float] = {}  # the latest dense run's median step, per setting
     runs: dict[tuple, int] = {}
     for result in results:
+        setting = (result["model"], result["P"], result["threads"])
+        if result["mode"].startswith("dense") and result["framework"] == "torch":
+            dense[setting] = median(result["rows"], "step_s")
         if "trials" not in result:
             continue
-        setting = (result["model"], result["P"], result["threads"])
         runs[setting] = runs.get(setting, 0) + 1
         trials = "; ".join(
             f"{modes_text(t['before'])} -> {modes_text(t['tried'])} "
@@ -484,11 +488,10 @@ def auto_markdown(results: list[dict], table: list[dict]) -> str:
             f"{i}: {1e3 * s:.0f}" for i, s in enumerate(every) if s > 3 * typical and i > 0
         )
         last = statistics.median(every[-100:])
-        ended = result["rows"][-1]
         cells = [
             result["model"], str(result["threads"]), str(runs[setting]), trials or "none",
             slow or "none",
-            f"{ended['dense_buckets']} of {ended['dense_buckets'] + ended['sparse_buckets']} dense",
+            modes_text(result["ended_dense"]),
             f"{1e3 * last:.1f}", f"{last / dense[setting]:.2f}",
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -564,7 +567,7 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps({"table": table, "runs": results}, indent=1))
     text = markdown(table)
     if any("trials" in result for result in results):
-        text += "\n\n" + auto_markdown(results, table)
+        text += "\n\n" + auto_markdown(results)
     out.with_suffix(".md").write_text(text + "\n")
     print(text)
 

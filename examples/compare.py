@@ -39,7 +39,10 @@ def modes(dense: list[bool]) -> str:
 
 def explain_schedule(row: dict) -> None:
     """What scheduler="auto" chose per bucket, on which measurements, and its trials."""
-    print(f"\n{row['mode']}: what it chose and why")
+    print(
+        f"\n{row['mode']}: what it chose and why (a trial keeps the modes it tried only"
+        "\n  if the median whole step got faster; a bucket's exchange time alone does not decide)"
+    )
     for name, choice in row["schedule"].items():
         print(
             f"  bucket {name}: {choice['mode']}; its exchange measured "
