@@ -6,9 +6,12 @@ import statistics
 import pytest
 
 from horovod_sparse.common.cost_model import (
+    PROBE_REPEATS,
     LinkModel,
     dense_seconds,
     fit_link,
+    probe_link,
+    probe_numels,
     ring_terms,
     sparse_seconds,
 )
@@ -95,6 +98,41 @@ class FakeOps:
     def broadcast(self, tensor, root, name, process_set):
         self.broadcasts += 1
         return tensor
+
+
+class RecordingOps(FakeOps):
+    """FakeOps that records each allreduce's buffer and name."""
+
+    def __init__(self, link: LinkModel, world: int) -> None:
+        super().__init__(link, world)
+        self.allreduces: list[tuple[list, str]] = []  # (buffer, name), buffers kept alive
+
+    def allreduce_sum_async(self, tensor, name, process_set):
+        self.allreduces.append((tensor, name))
+        return super().allreduce_sum_async(tensor, name, process_set)
+
+
+def test_probes_stop_at_the_largest_bucket():
+    assert probe_numels(1_180_672) == (1, 1 << 20, 1_180_672)
+    assert probe_numels(1 << 24) == (1, 1 << 20, 1 << 23)
+    assert probe_numels(1000) == (1, 1000)
+
+
+def test_a_probe_size_repeats_one_buffer_under_one_name():
+    """After its first, a size's repeats meet Horovod's response cache, as a step's
+    recurring collectives do; the fit still recovers the link."""
+    link = LinkModel(4e-4, 1.5e-9)
+    ops = RecordingOps(link, 2)
+    numels = probe_numels(1_180_672)
+    fitted = probe_link(ops, None, 2, "s", None, numels)
+    assert len(ops.allreduces) == PROBE_REPEATS * len(numels)
+    for index, numel in enumerate(numels):
+        size_calls = ops.allreduces[PROBE_REPEATS * index : PROBE_REPEATS * (index + 1)]
+        assert {name for _, name in size_calls} == {f"s.probe{numel}"}
+        first = size_calls[0][0]
+        assert all(buffer is first for buffer, _ in size_calls)
+    assert fitted.alpha == pytest.approx(link.alpha, rel=1e-6)
+    assert fitted.beta == pytest.approx(link.beta, rel=1e-6)
 
 
 def observe_in_current_modes(scheduler: AutoScheduler, link: LinkModel, steps: int = 3) -> None:
