@@ -463,7 +463,8 @@ def auto_markdown(results: list[dict]) -> str:
     step of the dense run trained alone just before it."""
     lines = [
         "| model | threads | run | trials (modes per sparse bucket, D dense: before -> tried, "
-        "median ms each, kept) | steps over 3x the median (step: ms) | ended in "
+        "median ms each, (tried over the blocks around it), kept) "
+        "| steps over 3x the median (step: ms) | ended in "
         "| last 100 ms | vs dense alone before it |",
         "|---|---|---:|---|---|---|---:|---:|",
     ]
@@ -479,7 +480,7 @@ def auto_markdown(results: list[dict]) -> str:
         trials = "; ".join(
             f"{modes_text(t['before'])} -> {modes_text(t['tried'])} "
             f"{1e3 * t['seconds_before']:.1f} / {1e3 * t['seconds_tried']:.1f} "
-            f"{'kept' if t['kept'] else 'rejected'}"
+            f"({t['ratio']:.2f}) {'kept' if t['kept'] else 'rejected'}"
             for t in result["trials"]
         )
         every = result["every_step_s"]

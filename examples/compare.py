@@ -6,8 +6,8 @@ model of the README's scaling section: ALPHA_S per message step of a collective 
 ring steps of each allreduce, alltoall and allgather the run issued) plus the bytes one
 rank sends, at the link's rate. That column is a model, not a measurement. For a run
 with ``--scheduler auto`` it then says what the scheduler chose for each bucket, on
-which measured exchange times, and every trial it ran (whole-step medians before and
-during the trial).
+which measured exchange times, and every trial it ran (whole-step medians of the modes
+before and tried, which ran in turn, block by block).
 """
 
 import json
@@ -40,8 +40,9 @@ def modes(dense: list[bool]) -> str:
 def explain_schedule(row: dict) -> None:
     """What scheduler="auto" chose per bucket, on which measurements, and its trials."""
     print(
-        f"\n{row['mode']}: what it chose and why (a trial keeps the modes it tried only"
-        "\n  if the median whole step got faster; a bucket's exchange time alone does not decide)"
+        f"\n{row['mode']}: what it chose and why (a trial runs the modes before and tried in"
+        "\n  turn and keeps the tried ones only if their median whole steps beat the blocks"
+        "\n  around them; a bucket's exchange time alone does not decide)"
     )
     for name, choice in row["schedule"].items():
         print(
@@ -51,9 +52,13 @@ def explain_schedule(row: dict) -> None:
         )
     for trial in row["trials"]:
         verdict = "kept" if trial["kept"] else "rejected"
+        blocks = ""
+        if trial.get("blocks"):
+            each = ", ".join(f"{1e3 * s:.1f}" for s in trial["blocks"])
+            blocks = f" (blocks {each} ms; tried over the blocks around it {trial['ratio']:.2f})"
         print(
             f"  trial {modes(trial['before'])} -> {modes(trial['tried'])}: median step "
-            f"{ms(trial['seconds_before'])} -> {ms(trial['seconds_tried'])}, {verdict}"
+            f"{ms(trial['seconds_before'])} -> {ms(trial['seconds_tried'])}{blocks}, {verdict}"
         )
     if not row["trials"]:
         print("  no trial: every bucket kept the mode it started in")

@@ -1,21 +1,30 @@
-"""What the automatic scheduler knows of one bucket, and the record of one trial.
+"""What the automatic scheduler knows of one bucket, a trial in progress, and its record.
 
 A :class:`BucketChoice` gathers a bucket's measured exchange seconds each way over a
 window, holds the model's predictions, and proposes a mode by the rules written in
-:mod:`horovod_sparse.common.scheduler`, which decides with them.
+:mod:`horovod_sparse.common.scheduler`, which decides with them. A :class:`Trial` holds
+the blocks of a trial that runs the tried setting and the one before it in turn, and
+judges them; a :class:`TrialOutcome` is what is kept of it.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
-__all__ = ["TRIAL_FACTOR", "BucketChoice", "TrialOutcome"]
+__all__ = ["TRIAL_FACTOR", "TRIAL_ROUNDS", "BucketChoice", "Trial", "TrialOutcome"]
 
 # A mode never measured is tried for a window unless the model predicts it at more than
 # this many times the measured cost of the current mode: the model's error against
 # measured steps on emulated 1 and 10 Gbit/s links reached 149% (benchmarks/scaling.py).
 TRIAL_FACTOR = 2.5
+# Blocks of the tried setting in one trial, each followed by a block of the setting before.
+TRIAL_ROUNDS = 2
+
+# A setting a trial compares: the mode of each sparse bucket (True: dense) and the
+# all-gather overlap (None where the scheduler does not own it).
+Setting = tuple[tuple[bool, ...], bool | None]
 
 
 @dataclass
@@ -100,12 +109,64 @@ class BucketChoice:
         return self.dense
 
 
+@dataclass
+class Trial:
+    """A trial in progress. ``blocks``: the median whole-step seconds (mean over ranks)
+    of each block so far, in order: the window before the trial under ``before``, then
+    ``tried`` and ``before`` in turn, ``TRIAL_ROUNDS`` blocks of each.
+
+    Each tried block is compared with the mean of the before blocks either side of it,
+    so that a machine whose speed drifts over the trial (medians of the same modes
+    measured 22.8-51.5 ms in one job on the demo's model, 2 ranks on 2 cores) moves
+    both sides of every ratio alike."""
+
+    before: Setting
+    tried: Setting
+    blocks: list[float]
+
+    def next_setting(self) -> Setting | None:
+        """The setting the next block runs; None once every block has run."""
+        if len(self.blocks) > 2 * TRIAL_ROUNDS:
+            return None
+        return self.tried if len(self.blocks) % 2 == 1 else self.before
+
+    def ratio(self) -> float:
+        """The geometric mean over tried blocks of the block's median over the mean of
+        the before blocks either side (those measured); NaN if no block has both."""
+        logs = []
+        for index in range(1, len(self.blocks), 2):
+            sides = [s for s in self.blocks[index - 1 : index + 2 : 2] if not math.isnan(s)]
+            tried = self.blocks[index]
+            if sides and tried > 0 and not math.isnan(tried):
+                logs.append(math.log(tried / statistics.mean(sides)))
+        return math.exp(statistics.mean(logs)) if logs else math.nan
+
+    def outcome(self) -> TrialOutcome:
+        """The record of this trial: kept where the tried blocks ran faster than the
+        blocks around them (``ratio`` below 1), or where nothing could be compared."""
+        ratio = self.ratio()
+        tried = [s for s in self.blocks[1::2] if not math.isnan(s)]
+        before = [s for s in self.blocks[0::2] if not math.isnan(s)]
+        return TrialOutcome(
+            self.before[0],
+            self.tried[0],
+            statistics.median(before) if before else math.nan,
+            statistics.median(tried) if tried else math.nan,
+            math.isnan(ratio) or ratio < 1.0,
+            self.before[1],
+            self.tried[1],
+            ratio,
+            tuple(self.blocks),
+        )
+
+
 @dataclass(frozen=True)
 class TrialOutcome:
-    """One trial: the modes before and tried (True: dense, per bucket), the median step
-    seconds of each, and whether the tried modes were kept. ``overlap_before`` and
-    ``overlap_tried``: the all-gather overlap before and during the trial, where the
-    scheduler owns it (else None)."""
+    """One trial: the modes before and tried (True: dense, per bucket), the median over
+    each setting's blocks of their median step seconds, and whether the tried modes were
+    kept. ``overlap_before`` and ``overlap_tried``: the all-gather overlap before and
+    during the trial, where the scheduler owns it (else None). ``ratio``: what decided
+    (:meth:`Trial.ratio`); ``blocks``: every block's median seconds, in order."""
 
     before: tuple[bool, ...]
     tried: tuple[bool, ...]
@@ -114,3 +175,5 @@ class TrialOutcome:
     kept: bool
     overlap_before: bool | None = None
     overlap_tried: bool | None = None
+    ratio: float = math.nan
+    blocks: tuple[float, ...] = ()

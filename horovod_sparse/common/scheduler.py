@@ -19,21 +19,26 @@ against dense's 3.8-5.9 ms, while whole steps favoured dense).
 
 Per-bucket exchange seconds do not see everything either: where ranks share cores, one
 bucket's selection or background copy slows everyone's backward. So a proposal that
-changes any bucket's mode is a trial: it runs for ``first`` steps, and it is kept only
-if the median time of a whole training step (each step's time averaged over ranks) beats
-that of the modes before it; otherwise those return. The median, not the mean: where
-ranks share cores, single steps stall for several times the usual step (3 s steps with
-7 s and 12 s among them, 4 ranks on 2 cores), and one such stall in a window of five
-would decide a trial by itself. The baseline is the last ``2 * first`` steps before the
-trial, not the whole window since the last decision: a machine shared with other work
-drifts (medians of 10.0 and 13.0 ms for the same modes a hundred steps apart on the demo's
-model). A rejected proposal may be tried again at a later decision, every ``every``
-steps; each bucket trial rejected in a row doubles that wait, up to
-``2 ** BACKOFF_DOUBLINGS`` times ``every``, and one kept resets it. Whole steps are
-counted from step ``first`` on, so the first decision comes at step ``2 * first``: the
-first steps of training run slower (allocations, connections, first threshold estimates)
-and would favour any trial. The first step after a decision is not counted either (it
-carries the probes and any fold of the residual).
+changes any bucket's mode is a trial, judged by whole training steps (each step's time
+averaged over ranks). It runs the tried modes and the modes before it in turn, blocks of
+``first`` steps, ``TRIAL_ROUNDS`` of each (tried, before, tried, before), and compares
+each tried block's median step with the mean of the before blocks either side of it
+(the first one: the last ``2 * first`` steps before the trial). The tried modes are kept
+only if the geometric mean of those ratios is below 1; otherwise the modes before it,
+which the trial ends in, stay. Alternating, not one window after the other, because a
+machine shared with other work drifts: on the demo's model (2 ranks on 2 cores) medians
+of the same modes ranged 22.8-51.5 ms in one job, and a trial of five steps judged
+against the steps before it kept or rejected dense by the drift in a run of four of
+them. Medians, not means: where ranks share cores, single steps stall for several times
+the usual step (3 s steps with 7 s and 12 s among them, 4 ranks on 2 cores), and one
+such stall in a block would decide a trial by itself. A rejected proposal may be tried
+again at a later decision, every ``every`` steps; each bucket trial rejected in a row
+doubles that wait, up to ``2 ** BACKOFF_DOUBLINGS`` times ``every``, and one kept resets
+it. Whole steps are counted from step ``first`` on, so the first decision comes at step
+``2 * first``: the first steps of training run slower (allocations, connections, first
+threshold estimates) and would favour any trial. The first step after each decision is
+not counted either (it carries the probes, any fold of the residual at a switch to dense
+and a threshold refresh at a switch to sparse).
 
 The same trials can judge the all-gather overlap (``overlap_allgather="auto"``): where
 the overlapped all-gather and the next forward compete for the same cores instead of
@@ -42,8 +47,8 @@ using idle ones, overlap can make steps slower. On 4 ranks sharing 2 cores it to
 0.86-0.95x with each rank pinned to one core. Then the scheduler also owns one more
 setting, overlap on or off, and tries the other one for ``first`` steps at every
 decision that starts no bucket trial, and right after each bucket trial (the better
-overlap setting may differ once modes have changed). The rule is the same: the tried
-setting is kept only if whole steps get faster. Both settings follow the same
+overlap setting may differ once modes have changed). The rule is the same: the settings
+alternate, and the tried one is kept only if whole steps get faster. Both settings follow the same
 trajectory; only when the all-gathers are waited for differs.
 
 A decision probes the link only while the model can still decide something: while a
@@ -65,7 +70,7 @@ import sys
 from typing import Any
 
 from horovod_sparse.common.backend import Backend, Tensor
-from horovod_sparse.common.bucket_choice import BucketChoice, TrialOutcome
+from horovod_sparse.common.bucket_choice import BucketChoice, Setting, Trial, TrialOutcome
 from horovod_sparse.common.cost_model import (
     LinkModel,
     dense_seconds,
@@ -78,8 +83,9 @@ __all__ = ["AutoScheduler", "BucketChoice", "TrialOutcome"]
 
 # A bucket trial rejected doubles the steps to the next decision, up to this many times.
 BACKOFF_DOUBLINGS = 3
-# What a decision starts, as broadcast from rank 0.
-NO_TRIAL, BUCKET_TRIAL, OVERLAP_TRIAL = 0.0, 1.0, 2.0
+# What a decision starts, as broadcast from rank 0: nothing, a bucket trial, an overlap
+# trial, or the next block of the trial in progress.
+NO_TRIAL, BUCKET_TRIAL, OVERLAP_TRIAL, TRIAL_BLOCK = 0.0, 1.0, 2.0, 3.0
 
 
 class AutoScheduler:
@@ -137,8 +143,7 @@ class AutoScheduler:
         # Bucket trials rejected in a row: each doubles the wait before the next decision
         # (up to 2**BACKOFF_DOUBLINGS times ``every``), as each makes one more unlikely to pay.
         self.rejections = 0
-        # The modes and overlap a trial started from, and their median step seconds.
-        self._trial_of: tuple[tuple[bool, ...], bool | None, float] | None = None
+        self._trial: Trial | None = None  # the trial in progress
         self._step_times: list[float] = []  # this rank's whole steps since the last decision
         self._steps_to_skip = self.first  # whole steps not counted: start of training
 
@@ -155,12 +160,12 @@ class AutoScheduler:
     def hold(self) -> None:
         """Decide no more (the modes were pinned by hand), with no trial in progress."""
         self.next_decision = sys.maxsize
-        self._trial_of = None
+        self._trial = None
 
     def restart(self, step: int) -> None:
         """After a restored checkpoint: decide at ``step``, with no trial in progress."""
         self.next_decision = step
-        self._trial_of = None
+        self._trial = None
         self._step_times = []
         self._steps_to_skip = 1
 
@@ -168,13 +173,14 @@ class AutoScheduler:
         """Probe the link where needed, share the measurements, and choose; returns
         dense flags.
 
-        At the end of a trial: keep the tried setting or return to the one before, by
-        the median step time; where the scheduler owns the overlap, a bucket trial is
-        followed at once by a trial of the other overlap setting. Otherwise: propose
-        each bucket's mode from its own costs, and start a trial if that changes any;
-        if none changes, try the other overlap setting (where owned). ``step``
-        (default: the step this decision was due at) sets when the next one is due:
-        after ``first`` steps when a trial starts, else after ``every`` steps.
+        While a trial runs: keep this block's median step, and start the next block
+        (the other setting). After its last block: keep the tried setting or stay with
+        the one before (:meth:`Trial.outcome`); where the scheduler owns the overlap, a
+        bucket trial is followed at once by a trial of the other overlap setting.
+        Otherwise: propose each bucket's mode from its own costs, and start a trial if
+        that changes any; if none changes, try the other overlap setting (where owned).
+        ``step`` (default: the step this decision was due at) sets when the next one is
+        due: after ``first`` steps while a trial runs, else after ``every`` steps.
         :attr:`overlap` holds the overlap setting chosen.
 
         Sends: where it probes (:meth:`_needs_probe`), ``PROBE_REPEATS`` allreduces per
@@ -195,8 +201,8 @@ class AutoScheduler:
             for choice in self.choices:
                 self._predict(choice, link, world)
         current = tuple(choice.dense for choice in self.choices)
-        if self._trial_of is not None:
-            modes, overlap, trial = self._end_trial(self._trial_of, current, step_seconds)
+        if self._trial is not None:
+            modes, overlap, trial = self._continue_trial(self._trial, step_seconds)
         else:
             modes, overlap, trial = self._propose(current, step_seconds)
         flags, overlap, trial = self._broadcast_choice(modes, overlap, trial, like)
@@ -273,32 +279,28 @@ class AutoScheduler:
                 link, choice.numel, k, world, choice.local_per_element
             )
 
-    def _end_trial(
-        self,
-        trial_of: tuple[tuple[bool, ...], bool | None, float],
-        current: tuple[bool, ...],
-        step_seconds: float,
+    def _continue_trial(
+        self, trial: Trial, step_seconds: float
     ) -> tuple[tuple[bool, ...], bool | None, float]:
-        """A trial ends: keep the tried setting only if whole steps got faster. Returns
-        the modes, overlap and trial kind this rank proposes: after a bucket trial,
-        where the overlap is owned, a trial of the other overlap setting (it may pay
-        under the modes now chosen)."""
-        before, overlap_before, seconds_before = trial_of
-        modes, overlap, trial = current, self.overlap, NO_TRIAL
-        kept = math.isnan(seconds_before) or step_seconds < seconds_before
-        self.trials.append(
-            TrialOutcome(
-                before, current, seconds_before, step_seconds, kept, overlap_before, overlap
-            )
-        )
-        if not kept:
-            modes, overlap = before, overlap_before
-        if before != current:
-            self.rejections = 0 if kept else self.rejections + 1
-        self.step_seconds = step_seconds if kept else seconds_before
-        if overlap is not None and before != current:
-            overlap, trial = not overlap, OVERLAP_TRIAL
-        return modes, overlap, trial
+        """A block of a trial ends: the next block's setting, or after the last one,
+        the trial's verdict. Returns the modes, overlap and trial kind this rank
+        proposes: after a bucket trial, where the overlap is owned, a trial of the other
+        overlap setting (it may pay under the modes now chosen)."""
+        trial.blocks.append(step_seconds)
+        following = trial.next_setting()
+        if following is not None:
+            return following[0], following[1], TRIAL_BLOCK
+        outcome = trial.outcome()
+        self.trials.append(outcome)
+        (modes, overlap), settled = (trial.tried, -2) if outcome.kept else (trial.before, -1)
+        if trial.before[0] != trial.tried[0]:
+            self.rejections = 0 if outcome.kept else self.rejections + 1
+        # The kept setting's last block is the next trial's window before it.
+        self.step_seconds = trial.blocks[settled]
+        kind = NO_TRIAL
+        if overlap is not None and trial.before[0] != trial.tried[0]:
+            overlap, kind = not overlap, OVERLAP_TRIAL
+        return modes, overlap, kind
 
     def _propose(
         self, current: tuple[bool, ...], step_seconds: float
@@ -338,15 +340,17 @@ class AutoScheduler:
     def _start(
         self, current: tuple[bool, ...], flags: list[bool], overlap: bool | None, trial: float
     ) -> None:
-        """Apply the broadcast choice. A trial is judged against the last window
-        measured under the setting it leaves: the modes before a bucket trial, the
-        other overlap setting for an overlap trial."""
+        """Apply the broadcast choice. A new trial's first block is judged against the
+        last window measured under the setting it leaves: the modes before a bucket
+        trial, the other overlap setting for an overlap trial."""
+        tried: Setting = (tuple(flags), overlap)
         if trial == BUCKET_TRIAL:
-            self._trial_of = (current, overlap, self.step_seconds)
+            self._trial = Trial((current, self.overlap), tried, [self.step_seconds])
         elif trial == OVERLAP_TRIAL:
-            self._trial_of = (tuple(flags), not overlap, self.step_seconds)
-        else:
-            self._trial_of = None
+            before = not overlap if overlap is not None else None
+            self._trial = Trial((tuple(flags), before), tried, [self.step_seconds])
+        elif trial == NO_TRIAL:
+            self._trial = None
         self.overlap = overlap
         for choice, flag in zip(self.choices, flags):
             choice.switch(flag)

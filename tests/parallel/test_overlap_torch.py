@@ -210,11 +210,12 @@ def test_auto_overlap_switches_without_changing_the_trajectory(name):
     plain_model, plain_opt = build(OPTIMIZERS[name], overlap=False)
     model, opt = build(OPTIMIZERS[name], overlap="auto", scheduler_steps=3)
     assert opt.overlapping  # starts overlapped
-    plain_losses = train(plain_model, plain_opt, 30)
-    losses = train(model, opt, 30)
+    plain_losses = train(plain_model, plain_opt, 55)
+    losses = train(model, opt, 55)
     assert losses == pytest.approx(plain_losses, rel=1e-6, abs=1e-7)
     trials = opt.schedule_trials()
-    # Decisions at steps 10, 15, 18, 23, 26: the first trial ran with overlap off,
+    # Decisions at steps 10, 15, 20, 25, 30 (a trial: overlap off, on, off, on, then the
+    # verdict), 33 and every 5 steps to 53: the first trial ran with overlap off first,
     # whatever the timings; density stays fixed (every bucket sparse throughout).
     assert len(trials) >= 2
     assert (trials[0].overlap_before, trials[0].overlap_tried) == (True, False)

@@ -64,17 +64,18 @@ def test_auto_tries_what_the_link_allows_and_every_rank_agrees(monkeypatch, link
     model, opt = model_and_optimizer()
     sparse_buckets = len(opt.residuals())
     assert sparse_buckets == 2
-    modes = train(model, opt, 17)
+    modes = train(model, opt, 32)
     # Steps before the first decision (step 10) are sparse for both weight buckets.
     assert modes[:10] == [(1, 2)] * 10  # the biases' dense bucket, two sparse buckets
     trials = opt.engine.scheduler.trials
     if dense_tried:
-        # Steps 10-14 ran dense; at step 15 whole-step times kept it or went back.
-        assert modes[10:15] == [(3, 0)] * 5
+        # A trial: steps 10-14 and 20-24 ran dense, 15-19 and 25-29 sparse; at step 30
+        # whole-step times kept dense or stayed sparse.
+        assert modes[10:30] == ([(3, 0)] * 5 + [(1, 2)] * 5) * 2
         (outcome,) = trials
         assert outcome.before == (False, False) and outcome.tried == (True, True)
-        assert math.isfinite(outcome.seconds_before) and math.isfinite(outcome.seconds_tried)
-        assert outcome.kept == (outcome.seconds_tried < outcome.seconds_before)
+        assert len(outcome.blocks) == 5 and all(math.isfinite(s) for s in outcome.blocks)
+        assert outcome.kept == (outcome.ratio < 1.0)
         final = "dense" if outcome.kept else "sparse"
     else:
         assert trials == []  # the model rules dense out: no trial
@@ -92,14 +93,14 @@ def test_auto_tries_what_the_link_allows_and_every_rank_agrees(monkeypatch, link
         else:
             assert math.isnan(entry["measured_dense_s"])
     assert agree(modes) and agree(sorted((k, v["mode"]) for k, v in schedule.items()))
-    assert agree([(t.before, t.tried, t.seconds_before, t.seconds_tried, t.kept) for t in trials])
+    assert agree([(t.before, t.tried, t.blocks, t.ratio, t.kept) for t in trials])
     assert spread(model) == 0.0
 
 
 def test_auto_with_the_measured_link_keeps_ranks_identical():
     model, opt = model_and_optimizer()
     modes = train(model, opt, 20)
-    # Steps 10, 14, 18 without trials; 10, 15, 19 with one (5 steps) at the first decision.
+    # Decisions at steps 10, 14, 18 without a trial; 10, 15 with one (blocks of 5 steps).
     assert opt.engine.scheduler.decisions >= 2
     assert agree([opt.engine.scheduler.decisions, opt.engine.scheduler.next_decision])
     assert agree(modes) and agree([v["mode"] for v in opt.schedule().values()])

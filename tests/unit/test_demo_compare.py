@@ -57,7 +57,7 @@ def test_compare_says_what_the_automatic_scheduler_chose_and_why(tmp_path):
     }
     auto["trials"] = [
         {"before": [False], "tried": [True], "seconds_before": 0.0112, "seconds_tried": 0.0098,
-         "kept": True},
+         "kept": True, "ratio": 0.875, "blocks": [0.0112, 0.0098, 0.0112, 0.0098, 0.0112]},
         {"before": [True], "tried": [False], "seconds_before": 0.0097, "seconds_tried": 0.0121,
          "kept": False},
     ]  # fmt: skip
@@ -68,7 +68,10 @@ def test_compare_says_what_the_automatic_scheduler_chose_and_why(tmp_path):
         paths.append(str(path))
     out = compare(paths)
     assert "bucket bucket.0: dense; its exchange measured 4.2 ms a step dense, - sparse" in out
-    assert "trial sparse -> dense: median step 11.2 ms -> 9.8 ms, kept" in out
+    assert (
+        "trial sparse -> dense: median step 11.2 ms -> 9.8 ms (blocks 11.2, 9.8, 11.2, 9.8,"
+        " 11.2 ms; tried over the blocks around it 0.88), kept" in out
+    )
     assert "trial dense -> sparse: median step 9.7 ms -> 12.1 ms, rejected" in out
 
 

@@ -174,32 +174,81 @@ def test_first_decision_tries_dense_where_the_model_allows(link, proposed):
     )
 
 
+def run_block(scheduler: AutoScheduler, link: LinkModel, steps, step: int) -> list[bool]:
+    """One block of a trial: each bucket's steps in its mode, the block's whole steps
+    after the one that carries the decision (not counted), then the decision at ``step``
+    that ends the block."""
+    observe_in_current_modes(scheduler, link)
+    for seconds in (60.0, *steps):
+        scheduler.observe_step(seconds)
+    return scheduler.decide(like=None, step=step)
+
+
+def start_bucket_trial(scheduler: AutoScheduler, link: LinkModel, before) -> list[bool]:
+    """Sparse steps up to the first decision (step 10), which starts a bucket trial."""
+    observe_in_current_modes(scheduler, link)
+    for seconds in (60.0, 30.0, 9.0, 9.0, 9.0, *before):  # the start is not counted
+        scheduler.observe_step(seconds)
+    return scheduler.decide(like=None, step=10)
+
+
 @pytest.mark.parametrize("trial_step_s, kept", [(1.0, True), (3.0, False)])
-def test_a_trial_is_kept_only_if_whole_steps_get_faster(trial_step_s, kept):
+def test_a_trial_alternates_and_is_kept_only_if_whole_steps_get_faster(trial_step_s, kept):
     link = LinkModel(5e-5, 2e-10)  # loopback: the model lets both buckets try dense
     ops = FakeOps(link, 4)
     scheduler = AutoScheduler(ops, "s", None, [(4096, 4), (25_000_000, 4)], 0.01, every=10)
-    observe_in_current_modes(scheduler, link)
-    for seconds in (60.0, 30.0, 9.0, 9.0, 9.0):  # the start of training is not counted
-        scheduler.observe_step(seconds)
-    for seconds in (2.0, 2.0, 2.0, 2.0, 2.0):
-        scheduler.observe_step(seconds)
-    assert scheduler.decide(like=None, step=10) == [True, True]
+    assert start_bucket_trial(scheduler, link, [2.0] * 5) == [True, True]
     assert scheduler.step_seconds == pytest.approx(2.0)
-    observe_in_current_modes(scheduler, link)
-    for seconds in (60.0, *[trial_step_s] * 4):  # the decision's own step is not counted
-        scheduler.observe_step(seconds)
-    modes = scheduler.decide(like=None, step=15)
+    # Tried, before, tried, before: a block of `first` = 5 steps each.
+    tried, before = [trial_step_s] * 4, [2.0] * 4
+    assert run_block(scheduler, link, tried, 15) == [False, False]
+    assert scheduler.trials == [] and scheduler.next_decision == 20
+    assert run_block(scheduler, link, before, 20) == [True, True]
+    assert run_block(scheduler, link, tried, 25) == [False, False]
+    assert scheduler.trials == [] and scheduler.next_decision == 30
+    modes = run_block(scheduler, link, before, 30)
     assert modes == ([True, True] if kept else [False, False])
     (outcome,) = scheduler.trials
     assert outcome.before == (False, False) and outcome.tried == (True, True)
     assert outcome.seconds_before == pytest.approx(2.0)
     assert outcome.seconds_tried == pytest.approx(trial_step_s)
+    assert outcome.ratio == pytest.approx(trial_step_s / 2.0)
+    assert outcome.blocks == pytest.approx((2.0, trial_step_s, 2.0, trial_step_s, 2.0))
     assert outcome.kept == kept
     assert scheduler.step_seconds == pytest.approx(trial_step_s if kept else 2.0)
     # No trial pending: the regular interval, doubled after a rejected bucket trial.
-    assert scheduler.next_decision == (25 if kept else 35)
+    assert scheduler.next_decision == (40 if kept else 50)
     assert scheduler.rejections == (0 if kept else 1)
+
+
+@pytest.mark.parametrize(
+    "blocks, kept",
+    [
+        # The machine speeds up by 0.5 s a block; the tried modes are 0.1 s slower than
+        # the blocks around them. Judged against the window before it, the first tried
+        # block (3.6 against 4.0) would keep them.
+        ((4.0, 3.6, 3.0, 2.6, 2.0), False),
+        # It slows down by 0.5 s a block; the tried modes are 0.1 s faster. Judged
+        # against the window before it, the first (4.0 against 3.5 s) would reject them.
+        ((3.5, 3.9, 4.5, 4.9, 5.5), True),
+    ],
+    ids=["speeding-up", "slowing-down"],
+)
+def test_a_machine_that_drifts_during_a_trial_does_not_decide_it(blocks, kept):
+    link = LinkModel(5e-5, 2e-10)
+    scheduler = AutoScheduler(FakeOps(link, 4), "s", None, [(25_000_000, 4)], 0.01, every=10)
+    assert start_bucket_trial(scheduler, link, [blocks[0]] * 5) == [True]
+    for index, seconds in enumerate(blocks[1:]):
+        modes = run_block(scheduler, link, [seconds] * 4, 15 + 5 * index)
+    assert modes == [kept]
+    (outcome,) = scheduler.trials
+    assert outcome.blocks == pytest.approx(blocks)
+    ratios = [
+        blocks[1] / statistics.mean(blocks[0:3:2]),
+        blocks[3] / statistics.mean(blocks[2:5:2]),
+    ]
+    assert outcome.ratio == pytest.approx(math.sqrt(ratios[0] * ratios[1]))
+    assert outcome.kept == kept
 
 
 @pytest.mark.parametrize(
@@ -216,14 +265,10 @@ def test_a_single_stalled_step_does_not_decide_a_trial(before, tried, kept):
     link = LinkModel(5e-5, 2e-10)  # loopback: the model lets both buckets try dense
     ops = FakeOps(link, 4)
     scheduler = AutoScheduler(ops, "s", None, [(4096, 4), (25_000_000, 4)], 0.01, every=10)
-    observe_in_current_modes(scheduler, link)
-    for seconds in (60.0, 60.0, 60.0, 60.0, 60.0, *before):
-        scheduler.observe_step(seconds)
-    assert scheduler.decide(like=None, step=10) == [True, True]
-    observe_in_current_modes(scheduler, link)
-    for seconds in (60.0, *tried):  # the decision's own step is not counted
-        scheduler.observe_step(seconds)
-    assert scheduler.decide(like=None, step=15) == ([True, True] if kept else [False, False])
+    assert start_bucket_trial(scheduler, link, before) == [True, True]
+    for step, steps in ((15, tried), (20, before[1:]), (25, tried), (30, before[1:])):
+        modes = run_block(scheduler, link, steps, step)
+    assert modes == ([True, True] if kept else [False, False])
     (outcome,) = scheduler.trials
     assert outcome.seconds_before == pytest.approx(statistics.median(before))
     assert outcome.seconds_tried == pytest.approx(statistics.median(tried))
@@ -266,15 +311,23 @@ def test_measured_bucket_times_overrule_the_model():
     assert scheduler.decide(like=None, step=10) == [True]  # so dense is tried
     assert choice.measured_sparse == pytest.approx(5.0)
     assert choice.predicted_sparse < choice.predicted_dense < choice.measured_sparse
-    choice.observe(True, 0.1)  # the switch's first dense step: not counted
-    choice.observe(True, 9.0)  # and dense steps then measured slower still
-    for seconds in (60.0, 10.0):
-        scheduler.observe_step(seconds)
-    assert scheduler.decide(like=None, step=15) == [False]  # steps were slower: back
+    # The trial's blocks: dense (each bucket's first step in a mode is not counted),
+    # measured slower still, then sparse, in turn; the last decision ends the trial.
+    blocks = ((15, True, [False]), (20, False, [True]), (25, True, [False]), (30, False, [False]))
+    for step, dense, modes in blocks:
+        choice.observe(dense, 0.1, 0.1)  # the switch's first step: not counted
+        if dense:
+            choice.observe(True, 9.0)
+        else:
+            choice.observe(False, 5.0, 2.5e-9 * choice.numel)
+        for seconds in (60.0, 10.0 if dense else 6.0):
+            scheduler.observe_step(seconds)
+        assert scheduler.decide(like=None, step=step) == modes
+    assert scheduler.trials[0].kept is False  # steps were slower: sparse stays
     assert choice.measured_dense == pytest.approx(9.0)
     # With both modes measured, the bucket's own costs propose sparse; dense, measured
     # within TRIAL_FACTOR of it, is explored again after twice the interval (a rejection).
-    assert scheduler.next_decision == 15 + 2 * scheduler.every
+    assert scheduler.next_decision == 30 + 2 * scheduler.every
     choice.observe(False, 5.0, 2.5e-9 * choice.numel)
     assert scheduler.decide(like=None, step=scheduler.next_decision) == [True]
     assert len(scheduler.trials) == 1
@@ -293,22 +346,25 @@ def test_a_mode_measured_far_slower_is_not_explored():
 
 @pytest.mark.parametrize("off_step_s, kept", [(1.5, True), (2.5, False)])
 def test_overlap_alone_is_judged_by_whole_steps(off_step_s, kept):
-    ops = FakeOps(LinkModel(5e-5, 2e-10), 4)
+    link = LinkModel(5e-5, 2e-10)
+    ops = FakeOps(link, 4)
     scheduler = AutoScheduler(
         ops, "s", None, [(25_000_000, 4)], 0.01, every=10, choose_density=False, overlap=True
     )
-    observe_in_current_modes(scheduler, LinkModel(5e-5, 2e-10))
+    observe_in_current_modes(scheduler, link)
     for seconds in (60.0, 60.0, 60.0, 60.0, 60.0, 2.0, 2.0, 2.0, 2.0, 2.0):
         scheduler.observe_step(seconds)
-    # Buckets keep their mode; the other overlap setting is tried for `first` steps.
+    # Buckets keep their mode; the other overlap setting is tried, in turn with this one.
     assert scheduler.decide(like=None, step=10) == [False]
     assert scheduler.overlap is False
     # No density choice: no probes (only the measurements, far below one 1M-value probe).
     assert scheduler.link is None and ops.now < ring_time(ops.link, 1 << 20, 4)
     assert scheduler.next_decision == 15
-    for seconds in (60.0, *[off_step_s] * 4):
-        scheduler.observe_step(seconds)
-    assert scheduler.decide(like=None, step=15) == [False]
+    for step, steps, overlap in ((15, [off_step_s] * 4, True), (20, [2.0] * 4, False)):
+        assert run_block(scheduler, link, steps, step) == [False]
+        assert scheduler.overlap is overlap
+    run_block(scheduler, link, [off_step_s] * 4, 25)
+    assert run_block(scheduler, link, [2.0] * 4, 30) == [False]
     assert scheduler.overlap is (not kept)
     (outcome,) = scheduler.trials
     assert outcome.before == outcome.tried == (False,)
@@ -316,12 +372,10 @@ def test_overlap_alone_is_judged_by_whole_steps(off_step_s, kept):
     assert outcome.seconds_before == pytest.approx(2.0)
     assert outcome.seconds_tried == pytest.approx(off_step_s)
     assert outcome.kept == kept
-    assert scheduler.next_decision == 25
+    assert scheduler.next_decision == 40
     # The next regular decision tries the other setting again: conditions may change.
-    scheduler.observe_step(60.0)
-    scheduler.observe_step(off_step_s if kept else 2.0)
-    scheduler.decide(like=None, step=25)
-    assert scheduler.overlap is kept and scheduler.next_decision == 30
+    run_block(scheduler, link, [off_step_s if kept else 2.0], 40)
+    assert scheduler.overlap is kept and scheduler.next_decision == 45
 
 
 def test_a_bucket_trial_is_followed_by_an_overlap_trial():
@@ -330,45 +384,40 @@ def test_a_bucket_trial_is_followed_by_an_overlap_trial():
     scheduler = AutoScheduler(
         ops, "s", None, [(4096, 4), (25_000_000, 4)], 0.01, every=10, overlap=True
     )
-    observe_in_current_modes(scheduler, link)
-    for seconds in (60.0, 60.0, 60.0, 60.0, 60.0, 2.0, 2.0, 2.0, 2.0, 2.0):
-        scheduler.observe_step(seconds)
     # The bucket proposal goes first, with the overlap unchanged.
-    assert scheduler.decide(like=None, step=10) == [True, True]
+    assert start_bucket_trial(scheduler, link, [2.0] * 5) == [True, True]
     assert scheduler.overlap is True
-    observe_in_current_modes(scheduler, link)
-    for seconds in (60.0, 1.0, 1.0, 1.0, 1.0):
-        scheduler.observe_step(seconds)
+    for step, steps in ((15, [1.0] * 4), (20, [2.0] * 4), (25, [1.0] * 4)):
+        run_block(scheduler, link, steps, step)
+        assert scheduler.overlap is True
     # Dense is kept, and overlap off is tried at once under the new modes.
-    assert scheduler.decide(like=None, step=15) == [True, True]
+    assert run_block(scheduler, link, [2.0] * 4, 30) == [True, True]
     assert scheduler.overlap is False
-    assert scheduler.next_decision == 20
-    observe_in_current_modes(scheduler, link)
-    for seconds in (60.0, 1.2, 1.2, 1.2, 1.2):
-        scheduler.observe_step(seconds)
-    assert scheduler.decide(like=None, step=20) == [True, True]
+    assert scheduler.next_decision == 35
+    for step, steps, overlap in ((35, 1.2, True), (40, 1.0, False), (45, 1.2, True)):
+        assert run_block(scheduler, link, [steps] * 4, step) == [True, True]
+        assert scheduler.overlap is overlap
+    assert run_block(scheduler, link, [1.0] * 4, 50) == [True, True]
     assert scheduler.overlap is True  # overlap off was slower: back on
     bucket_trial, overlap_trial = scheduler.trials
     assert bucket_trial.tried == (True, True) and bucket_trial.kept
     assert (bucket_trial.overlap_before, bucket_trial.overlap_tried) == (True, True)
     assert overlap_trial.before == overlap_trial.tried == (True, True)
     assert (overlap_trial.overlap_before, overlap_trial.overlap_tried) == (True, False)
+    # Its first block is judged against the bucket trial's last dense block.
+    assert overlap_trial.blocks == pytest.approx((1.0, 1.2, 1.0, 1.2, 1.0))
     assert overlap_trial.seconds_before == pytest.approx(1.0)
     assert not overlap_trial.kept
     assert scheduler.step_seconds == pytest.approx(1.0)
-    assert scheduler.next_decision == 30
+    assert scheduler.next_decision == 60
 
 
 def test_without_overlap_ownership_trials_leave_it_alone():
     link = LinkModel(5e-5, 2e-10)
     scheduler = AutoScheduler(FakeOps(link, 4), "s", None, [(25_000_000, 4)], 0.01, every=10)
-    observe_in_current_modes(scheduler, link)
-    for seconds in (60.0, 60.0, 60.0, 60.0, 60.0, 2.0):
-        scheduler.observe_step(seconds)
-    scheduler.decide(like=None, step=10)
-    observe_in_current_modes(scheduler, link)
-    scheduler.observe_step(60.0)
-    scheduler.observe_step(1.0)
-    scheduler.decide(like=None, step=15)
-    assert scheduler.overlap is None
-    assert scheduler.trials[0].overlap_before is None and scheduler.next_decision == 25
+    start_bucket_trial(scheduler, link, [2.0])
+    for step in (15, 20, 25, 30):
+        run_block(scheduler, link, [1.0 if step % 10 else 2.0], step)
+        assert scheduler.overlap is None
+    assert scheduler.trials[0].kept and scheduler.trials[0].overlap_before is None
+    assert scheduler.next_decision == 40
