@@ -480,7 +480,7 @@ def auto_markdown(results: list[dict]) -> str:
         trials = "; ".join(
             f"{modes_text(t['before'])} -> {modes_text(t['tried'])} "
             f"{1e3 * t['seconds_before']:.1f} / {1e3 * t['seconds_tried']:.1f} "
-            f"({t['ratio']:.2f}) {'kept' if t['kept'] else 'rejected'}"
+            f"({t.get('ratio', float('nan')):.2f}) {'kept' if t['kept'] else 'rejected'}"
             for t in result["trials"]
         )
         every = result["every_step_s"]
