@@ -45,11 +45,11 @@ the overlapped all-gather and the next forward compete for the same cores instea
 using idle ones, overlap can make steps slower. On 4 ranks sharing 2 cores it took
 0.69-1.31x the step without overlap with the ranks free to migrate between cores, and
 0.86-0.95x with each rank pinned to one core. Then the scheduler also owns one more
-setting, overlap on or off, and tries the other one for ``first`` steps at every
-decision that starts no bucket trial, and right after each bucket trial (the better
-overlap setting may differ once modes have changed). The rule is the same: the settings
-alternate, and the tried one is kept only if whole steps get faster. Both settings follow the same
-trajectory; only when the all-gathers are waited for differs.
+setting, overlap on or off, and tries the other one at every decision that starts no
+bucket trial, and right after each bucket trial (the better overlap setting may differ
+once modes have changed). The rule is the same: the two settings alternate block by
+block, and the tried one is kept only if whole steps get faster. Both settings follow
+the same trajectory; only when the all-gathers are waited for differs.
 
 A decision probes the link only while the model can still decide something: while a
 bucket has a mode never measured, and again if the process set's size changes. Once
