@@ -27,11 +27,11 @@ each tried block's median step with the mean of the before blocks either side of
 only if the geometric mean of those ratios is below 1; otherwise the modes before it,
 which the trial ends in, stay. Alternating, not one window after the other, because a
 machine shared with other work drifts: on the demo's model (2 ranks on 2 cores) medians
-of the same modes ranged 22.8-51.5 ms in one job, and a trial of five steps judged
-against the steps before it kept or rejected dense by the drift in a run of four of
-them. Medians, not means: where ranks share cores, single steps stall for several times
-the usual step (3 s steps with 7 s and 12 s among them, 4 ranks on 2 cores), and one
-such stall in a block would decide a trial by itself. A rejected proposal may be tried
+of the same modes ranged 22.8-51.5 ms in one job, so one window judged against the
+steps before it compared two speeds of the machine as much as two settings. Medians,
+not means: where ranks share cores, single steps stall for several times the usual
+step (3 s steps with 7 s and 12 s among them, 4 ranks on 2 cores), and one such stall
+in a block would decide a trial by itself. A rejected proposal may be tried
 again at a later decision, every ``every`` steps; each bucket trial rejected in a row
 doubles that wait, up to ``2 ** BACKOFF_DOUBLINGS`` times ``every``, and one kept resets
 it. Whole steps are counted from step ``first`` on, so the first decision comes at step
@@ -293,12 +293,13 @@ class AutoScheduler:
         outcome = trial.outcome()
         self.trials.append(outcome)
         (modes, overlap), settled = (trial.tried, -2) if outcome.kept else (trial.before, -1)
-        if trial.before[0] != trial.tried[0]:
+        bucket_trial = trial.before[0] != trial.tried[0]
+        if bucket_trial:
             self.rejections = 0 if outcome.kept else self.rejections + 1
         # The kept setting's last block is the next trial's window before it.
         self.step_seconds = trial.blocks[settled]
         kind = NO_TRIAL
-        if overlap is not None and trial.before[0] != trial.tried[0]:
+        if overlap is not None and bucket_trial:
             overlap, kind = not overlap, OVERLAP_TRIAL
         return modes, overlap, kind
 
