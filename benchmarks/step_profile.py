@@ -183,10 +183,12 @@ class TorchRun:
         backward_done = time.perf_counter()
         optimizer.step()
         ended = time.perf_counter()
+        # One name for every step: a fresh name each step would fill Horovod's response
+        # cache (1,024 entries) and evict the optimizers' own collectives from it.
         slowest = hvd.allreduce(
             torch.tensor([ended - began], dtype=torch.float64),
             op=hvd.Max,
-            name=f"t.{self.mode}.{step}",
+            name=f"t.{self.mode}",
         )
         self.total += float(slowest)
         self.every_step_s.append(float(slowest))
@@ -291,7 +293,7 @@ class TFRun:
         slowest = hvd.allreduce(
             tf.constant([ended - began], tf.float64),
             op=hvd.Max,
-            name=f"t.{int(self.sparse)}.{step}",
+            name=f"t.{int(self.sparse)}",  # one name for every step: see TorchRun.step
         )
         self.total += float(slowest[0])
         if step < self.warmup:

@@ -13,14 +13,27 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-__all__ = ["TRIAL_FACTOR", "TRIAL_ROUNDS", "BucketChoice", "Trial", "TrialOutcome"]
+__all__ = [
+    "TRIAL_BLOCK_STEPS",
+    "TRIAL_FACTOR",
+    "TRIAL_ROUNDS",
+    "BucketChoice",
+    "Trial",
+    "TrialOutcome",
+]
 
 # A mode never measured is tried for a window unless the model predicts it at more than
 # this many times the measured cost of the current mode: the model's error against
 # measured steps on emulated 1 and 10 Gbit/s links reached 149% (benchmarks/scaling.py).
 TRIAL_FACTOR = 2.5
+# Steps each block of a trial runs. The first step after a switch carries its one-off
+# costs (the fold of the residual into a dense step, a threshold refresh) and is not
+# counted, so each block is judged by one step, taken next to the other setting's: on the
+# demo's model (2 ranks on 2 cores) medians of 8 such pairs fell on the wrong side of 1 in
+# 1 % of windows, where blocks of 5 steps had put the same modes at 0.71-1.67x.
+TRIAL_BLOCK_STEPS = 2
 # Blocks of the tried setting in one trial, each followed by a block of the setting before.
-TRIAL_ROUNDS = 2
+TRIAL_ROUNDS = 8
 
 # A setting a trial compares: the mode of each sparse bucket (True: dense) and the
 # all-gather overlap (None where the scheduler does not own it).
@@ -112,34 +125,41 @@ class BucketChoice:
 @dataclass
 class Trial:
     """A trial in progress. ``blocks``: the median whole-step seconds (mean over ranks)
-    of each block so far, in order: the window before the trial under ``before``, then
-    ``tried`` and ``before`` in turn, ``TRIAL_ROUNDS`` blocks of each.
+    of the window before the trial, under ``before``; once the trial's blocks have run,
+    then each block's, in order: ``tried`` and ``before`` in turn, ``TRIAL_ROUNDS``
+    blocks of each. ``started``: the trial's blocks begun so far.
 
     Each tried block is compared with the mean of the before blocks either side of it,
-    so that a machine whose speed drifts over the trial (medians of the same modes
-    measured 22.8-51.5 ms in one job on the demo's model, 2 ranks on 2 cores) moves
-    both sides of every ratio alike."""
+    so that a machine whose speed drifts moves both sides of every ratio alike, and the
+    blocks are short, so that the two sides of a ratio are steps a few apart: on 2
+    shared cores the machine's speed moves over tens of steps (5-step medians of the
+    same modes measured 17.2-42.7 ms within one trial on the demo's model)."""
 
     before: Setting
     tried: Setting
     blocks: list[float]
+    started: int = 1
 
-    def next_setting(self) -> Setting | None:
-        """The setting the next block runs; None once every block has run."""
-        if len(self.blocks) > 2 * TRIAL_ROUNDS:
+    def advance(self) -> Setting | None:
+        """The setting the next block runs, counting it as begun; None once every block
+        has run."""
+        if self.started >= 2 * TRIAL_ROUNDS:
             return None
-        return self.tried if len(self.blocks) % 2 == 1 else self.before
+        self.started += 1
+        return self.tried if self.started % 2 == 1 else self.before
 
     def ratio(self) -> float:
-        """The geometric mean over tried blocks of the block's median over the mean of
-        the before blocks either side (those measured); NaN if no block has both."""
+        """The median over tried blocks of the block's seconds over the mean of the
+        before blocks either side (those measured); NaN if no block has both. The
+        median, so that a step that stalled (where ranks share cores single steps take
+        several times the usual) cannot decide a trial by itself."""
         logs = []
         for index in range(1, len(self.blocks), 2):
             sides = [s for s in self.blocks[index - 1 : index + 2 : 2] if not math.isnan(s)]
             tried = self.blocks[index]
             if sides and tried > 0 and not math.isnan(tried):
                 logs.append(math.log(tried / statistics.mean(sides)))
-        return math.exp(statistics.mean(logs)) if logs else math.nan
+        return math.exp(statistics.median(logs)) if logs else math.nan
 
     def outcome(self) -> TrialOutcome:
         """The record of this trial: kept where the tried blocks ran faster than the

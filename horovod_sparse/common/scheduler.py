@@ -70,7 +70,13 @@ import sys
 from typing import Any
 
 from horovod_sparse.common.backend import Backend, Tensor
-from horovod_sparse.common.bucket_choice import BucketChoice, Setting, Trial, TrialOutcome
+from horovod_sparse.common.bucket_choice import (
+    TRIAL_BLOCK_STEPS,
+    BucketChoice,
+    Setting,
+    Trial,
+    TrialOutcome,
+)
 from horovod_sparse.common.cost_model import (
     LinkModel,
     dense_seconds,
@@ -83,9 +89,9 @@ __all__ = ["AutoScheduler", "BucketChoice", "TrialOutcome"]
 
 # A bucket trial rejected doubles the steps to the next decision, up to this many times.
 BACKOFF_DOUBLINGS = 3
-# What a decision starts, as broadcast from rank 0: nothing, a bucket trial, an overlap
-# trial, or the next block of the trial in progress.
-NO_TRIAL, BUCKET_TRIAL, OVERLAP_TRIAL, TRIAL_BLOCK = 0.0, 1.0, 2.0, 3.0
+# What a decision starts, as broadcast from rank 0: nothing, a bucket trial or an
+# overlap trial.
+NO_TRIAL, BUCKET_TRIAL, OVERLAP_TRIAL = 0.0, 1.0, 2.0
 
 
 class AutoScheduler:
@@ -98,8 +104,8 @@ class AutoScheduler:
         buckets: (numel, bytes per value) of each sparse bucket, in bucket order.
         density: the density a sparse step uses (k = ceil(density * n)).
         every: steps between decisions (the first one at step ``2 * first``).
-        first: the length of a trial window, and of the start of training whose
-            whole-step times are not counted.
+        first: the steps at the start of training whose whole-step times are not
+            counted; the window before a trial is the last ``2 * first`` steps.
         choose_density: propose dense or sparse per bucket (False: every bucket keeps
             the mode it starts in, and the link is not probed).
         overlap: the all-gather overlap to start with, which trials then judge; None
@@ -144,7 +150,8 @@ class AutoScheduler:
         # (up to 2**BACKOFF_DOUBLINGS times ``every``), as each makes one more unlikely to pay.
         self.rejections = 0
         self._trial: Trial | None = None  # the trial in progress
-        self._step_times: list[float] = []  # this rank's whole steps since the last decision
+        self._step_times: list[float] = []  # this rank's whole steps since the last block
+        self._trial_steps: list[list[float]] = []  # this rank's steps in each ended block
         self._steps_to_skip = self.first  # whole steps not counted: start of training
 
     def due(self, step: int) -> bool:
@@ -160,12 +167,12 @@ class AutoScheduler:
     def hold(self) -> None:
         """Decide no more (the modes were pinned by hand), with no trial in progress."""
         self.next_decision = sys.maxsize
-        self._trial = None
+        self._trial, self._trial_steps = None, []
 
     def restart(self, step: int) -> None:
         """After a restored checkpoint: decide at ``step``, with no trial in progress."""
         self.next_decision = step
-        self._trial = None
+        self._trial, self._trial_steps = None, []
         self._step_times = []
         self._steps_to_skip = 1
 
@@ -173,23 +180,35 @@ class AutoScheduler:
         """Probe the link where needed, share the measurements, and choose; returns
         dense flags.
 
-        While a trial runs: keep this block's median step, and start the next block
-        (the other setting). After its last block: keep the tried setting or stay with
-        the one before (:meth:`Trial.outcome`); where the scheduler owns the overlap, a
-        bucket trial is followed at once by a trial of the other overlap setting.
-        Otherwise: propose each bucket's mode from its own costs, and start a trial if
-        that changes any; if none changes, try the other overlap setting (where owned).
-        ``step`` (default: the step this decision was due at) sets when the next one is
-        due: after ``first`` steps while a trial runs, else after ``every`` steps.
-        :attr:`overlap` holds the overlap setting chosen.
+        While a trial runs and blocks are left: start the next block (the other
+        setting), on this rank alone, since every rank follows the same order. After
+        its last block: share every block's steps and keep the tried setting or stay
+        with the one before (:meth:`Trial.outcome`); where the scheduler owns the
+        overlap, a bucket trial is followed at once by a trial of the other overlap
+        setting. Otherwise: propose each bucket's mode from its own costs, and start a
+        trial if that changes any; if none changes, try the other overlap setting
+        (where owned). ``step`` (default: the step this decision was due at) sets when
+        the next one is due: after ``TRIAL_BLOCK_STEPS`` steps while a trial runs, else
+        after ``every`` steps. :attr:`overlap` holds the overlap setting chosen.
 
-        Sends: where it probes (:meth:`_needs_probe`), ``PROBE_REPEATS`` allreduces per
-        probe size (up to 32 MiB, no larger than the largest bucket); then one
-        allreduce of 6 values per bucket and one per whole step since the last
-        decision, one broadcast of one value per bucket and two more.
+        Sends: nothing between a trial's blocks. Otherwise, where it probes
+        (:meth:`_needs_probe`), ``PROBE_REPEATS`` allreduces per probe size (up to 32
+        MiB, no larger than the largest bucket); then one allreduce of 6 values per
+        bucket and one per whole step counted (the window before a trial, or a
+        trial's blocks), one broadcast of one value per bucket and two more.
         """
+        now = self.next_decision if step is None else step
+        trial = self._trial
+        following = trial.advance() if trial is not None else None
+        if following is not None:
+            self._trial_steps.append(self._step_times)
+            self._step_times = []
+            self._apply(*following)
+            self._steps_to_skip = 1  # the switch's step
+            self.next_decision = now + TRIAL_BLOCK_STEPS
+            return [choice.dense for choice in self.choices]
         world = self.ops.size(self.process_set)
-        step_seconds = self._share_measurements(like)
+        medians = self._share_measurements(like)
         link = self.link
         if self._needs_probe(world):
             largest = max(choice.numel for choice in self.choices)
@@ -201,20 +220,19 @@ class AutoScheduler:
             for choice in self.choices:
                 self._predict(choice, link, world)
         current = tuple(choice.dense for choice in self.choices)
-        if self._trial is not None:
-            modes, overlap, trial = self._continue_trial(self._trial, step_seconds)
+        if trial is not None:
+            modes, overlap, kind = self._end_trial(trial, medians)
         else:
-            modes, overlap, trial = self._propose(current, step_seconds)
-        flags, overlap, trial = self._broadcast_choice(modes, overlap, trial, like)
-        self._start(current, flags, overlap, trial)
-        if trial != NO_TRIAL:
-            interval = self.first
+            modes, overlap, kind = self._propose(current, medians[0])
+        flags, overlap, kind = self._broadcast_choice(modes, overlap, kind, like)
+        self._start(current, flags, overlap, kind)
+        if kind != NO_TRIAL:
+            interval = TRIAL_BLOCK_STEPS
         else:
             interval = self.every << min(self.rejections, BACKOFF_DOUBLINGS)
         self._steps_to_skip = 1  # the next step carries this decision's probes
         self.link = link
         self.decisions += 1
-        now = self.next_decision if step is None else step
         self.next_decision = now + interval
         return [choice.dense for choice in self.choices]
 
@@ -232,21 +250,26 @@ class AutoScheduler:
             for choice in self.choices
         )
 
-    def _share_measurements(self, like: Tensor) -> float:
+    def _share_measurements(self, like: Tensor) -> list[float]:
         """Means over ranks of what each bucket measured since the last decision, into
-        its :class:`BucketChoice`; returns the median over this window's whole steps of
-        their mean over ranks (NaN if none). Every rank counts the same steps: they are
-        collective."""
+        its :class:`BucketChoice`; returns, per block of whole steps, the median over
+        its steps of their mean over ranks (NaN for a block without steps): after a
+        trial each of its blocks, else one, the window before the next trial. Every
+        rank counts the same steps: they are collective."""
         ops = self.ops
         windows = [x for choice in self.choices for x in choice.take_windows()]
-        # The steps just before a trial are its baseline: a machine shared with other
-        # work drifts over a whole window (medians of 10.0 and 13.0 ms for the same modes
-        # a hundred steps apart on the demo's model).
-        step_times, self._step_times = self._step_times[-2 * self.first :], []
+        if self._trial is not None:
+            blocks = [*self._trial_steps, self._step_times]
+        else:
+            # The steps just before a trial are its baseline: a machine shared with other
+            # work drifts over a whole window (medians of 10.0 and 13.0 ms for the same
+            # modes a hundred steps apart on the demo's model).
+            blocks = [self._step_times[-2 * self.first :]]
+        self._step_times, self._trial_steps = [], []
         summed = ops.to_host_list(
             ops.wait(
                 ops.allreduce_sum_async(
-                    ops.from_host(windows + step_times, like),
+                    ops.from_host(windows + [s for block in blocks for s in block], like),
                     f"{self.name}.measured",
                     self.process_set,
                 )
@@ -254,9 +277,13 @@ class AutoScheduler:
         )
         for index, choice in enumerate(self.choices):
             self._update_choice(choice, summed[6 * index : 6 * index + 6])
-        summed_steps = summed[len(windows) :]
         world = ops.size(self.process_set)
-        return statistics.median(summed_steps) / world if summed_steps else math.nan
+        medians, offset = [], len(windows)
+        for block in blocks:
+            steps = summed[offset : offset + len(block)]
+            offset += len(block)
+            medians.append(statistics.median(steps) / world if steps else math.nan)
+        return medians
 
     @staticmethod
     def _update_choice(choice: BucketChoice, sums: list[float]) -> None:
@@ -279,25 +306,24 @@ class AutoScheduler:
                 link, choice.numel, k, world, choice.local_per_element
             )
 
-    def _continue_trial(
-        self, trial: Trial, step_seconds: float
+    def _end_trial(
+        self, trial: Trial, medians: list[float]
     ) -> tuple[tuple[bool, ...], bool | None, float]:
-        """A block of a trial ends: the next block's setting, or after the last one,
-        the trial's verdict. Returns the modes, overlap and trial kind this rank
-        proposes: after a bucket trial, where the overlap is owned, a trial of the other
-        overlap setting (it may pay under the modes now chosen)."""
-        trial.blocks.append(step_seconds)
-        following = trial.next_setting()
-        if following is not None:
-            return following[0], following[1], TRIAL_BLOCK
+        """A trial's blocks have run: its verdict. Returns the modes, overlap and trial
+        kind this rank proposes: after a bucket trial, where the overlap is owned, a
+        trial of the other overlap setting (it may pay under the modes now chosen)."""
+        trial.blocks.extend(medians)
         outcome = trial.outcome()
         self.trials.append(outcome)
-        (modes, overlap), settled = (trial.tried, -2) if outcome.kept else (trial.before, -1)
+        if outcome.kept:
+            (modes, overlap), settled = trial.tried, outcome.seconds_tried
+        else:
+            (modes, overlap), settled = trial.before, outcome.seconds_before
         bucket_trial = trial.before[0] != trial.tried[0]
         if bucket_trial:
             self.rejections = 0 if outcome.kept else self.rejections + 1
-        # The kept setting's last block is the next trial's window before it.
-        self.step_seconds = trial.blocks[settled]
+        # The kept setting's steps in the trial are the next trial's window before it.
+        self.step_seconds = settled
         kind = NO_TRIAL
         if overlap is not None and bucket_trial:
             overlap, kind = not overlap, OVERLAP_TRIAL
@@ -350,8 +376,13 @@ class AutoScheduler:
         elif trial == OVERLAP_TRIAL:
             before = not overlap if overlap is not None else None
             self._trial = Trial((tuple(flags), before), tried, [self.step_seconds])
-        elif trial == NO_TRIAL:
+        else:
             self._trial = None
+        self._apply(tuple(flags), overlap)
+
+    def _apply(self, modes: tuple[bool, ...], overlap: bool | None) -> None:
+        """Run each bucket in ``modes`` (True: dense) and the all-gather overlap
+        ``overlap`` from the next step on."""
         self.overlap = overlap
-        for choice, flag in zip(self.choices, flags):
+        for choice, flag in zip(self.choices, modes):
             choice.switch(flag)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import horovod_sparse.torch as hvds
+from horovod_sparse.common.bucket_choice import TRIAL_BLOCK_STEPS, TRIAL_ROUNDS
 
 hvd.init()
 
@@ -210,13 +211,16 @@ def test_auto_overlap_switches_without_changing_the_trajectory(name):
     plain_model, plain_opt = build(OPTIMIZERS[name], overlap=False)
     model, opt = build(OPTIMIZERS[name], overlap="auto", scheduler_steps=3)
     assert opt.overlapping  # starts overlapped
-    plain_losses = train(plain_model, plain_opt, 55)
-    losses = train(model, opt, 55)
+    # A trial from step 10 (overlap off and on in turn, every TRIAL_BLOCK_STEPS steps),
+    # its verdict, the next trial three steps later, and its verdict.
+    trial_steps = 2 * TRIAL_ROUNDS * TRIAL_BLOCK_STEPS
+    steps = 10 + 2 * trial_steps + 3 + 1
+    plain_losses = train(plain_model, plain_opt, steps)
+    losses = train(model, opt, steps)
     assert losses == pytest.approx(plain_losses, rel=1e-6, abs=1e-7)
     trials = opt.schedule_trials()
-    # Decisions at steps 10, 15, 20, 25, 30 (a trial: overlap off, on, off, on, then the
-    # verdict), 33 and every 5 steps to 53: the first trial ran with overlap off first,
-    # whatever the timings; density stays fixed (every bucket sparse throughout).
+    # The first trial ran with overlap off first, whatever the timings; density stays
+    # fixed (every bucket sparse throughout).
     assert len(trials) >= 2
     assert (trials[0].overlap_before, trials[0].overlap_tried) == (True, False)
     assert all(t.before == t.tried == (False, False, False) for t in trials)

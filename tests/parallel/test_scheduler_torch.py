@@ -8,6 +8,7 @@ import torch
 
 import horovod_sparse.common.cost_model as cost_model
 import horovod_sparse.torch as hvds
+from horovod_sparse.common.bucket_choice import TRIAL_BLOCK_STEPS, TRIAL_ROUNDS
 from horovod_sparse.common.cost_model import LinkModel
 from horovod_sparse.common.step import StepKind
 from tests.buckets import sparse_buckets
@@ -64,17 +65,20 @@ def test_auto_tries_what_the_link_allows_and_every_rank_agrees(monkeypatch, link
     model, opt = model_and_optimizer()
     sparse_buckets = len(opt.residuals())
     assert sparse_buckets == 2
-    modes = train(model, opt, 32)
+    ended = 10 + 2 * TRIAL_ROUNDS * TRIAL_BLOCK_STEPS  # a trial from step 10
+    modes = train(model, opt, ended + 2)
     # Steps before the first decision (step 10) are sparse for both weight buckets.
     assert modes[:10] == [(1, 2)] * 10  # the biases' dense bucket, two sparse buckets
     trials = opt.engine.scheduler.trials
     if dense_tried:
-        # A trial: steps 10-14 and 20-24 ran dense, 15-19 and 25-29 sparse; at step 30
-        # whole-step times kept dense or stayed sparse.
-        assert modes[10:30] == ([(3, 0)] * 5 + [(1, 2)] * 5) * 2
+        # A trial: blocks of TRIAL_BLOCK_STEPS steps dense and sparse in turn, from step
+        # 10; then whole-step times kept dense or stayed sparse.
+        dense_block, sparse_block = [(3, 0)] * TRIAL_BLOCK_STEPS, [(1, 2)] * TRIAL_BLOCK_STEPS
+        assert modes[10:ended] == (dense_block + sparse_block) * TRIAL_ROUNDS
         (outcome,) = trials
         assert outcome.before == (False, False) and outcome.tried == (True, True)
-        assert len(outcome.blocks) == 5 and all(math.isfinite(s) for s in outcome.blocks)
+        assert len(outcome.blocks) == 2 * TRIAL_ROUNDS + 1
+        assert all(math.isfinite(s) for s in outcome.blocks)
         assert outcome.kept == (outcome.ratio < 1.0)
         final = "dense" if outcome.kept else "sparse"
     else:
@@ -99,8 +103,9 @@ def test_auto_tries_what_the_link_allows_and_every_rank_agrees(monkeypatch, link
 
 def test_auto_with_the_measured_link_keeps_ranks_identical():
     model, opt = model_and_optimizer()
-    modes = train(model, opt, 20)
-    # Decisions at steps 10, 14, 18 without a trial; 10, 15 with one (blocks of 5 steps).
+    modes = train(model, opt, 10 + 2 * TRIAL_ROUNDS * TRIAL_BLOCK_STEPS + 2)
+    # Decisions at steps 10, 14, 18, ... without a trial; at 10 and at the trial's end
+    # with one (its blocks switch without a decision).
     assert opt.engine.scheduler.decisions >= 2
     assert agree([opt.engine.scheduler.decisions, opt.engine.scheduler.next_decision])
     assert agree(modes) and agree([v["mode"] for v in opt.schedule().values()])

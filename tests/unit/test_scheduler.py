@@ -5,6 +5,7 @@ import statistics
 
 import pytest
 
+from horovod_sparse.common.bucket_choice import TRIAL_BLOCK_STEPS, TRIAL_ROUNDS
 from horovod_sparse.common.cost_model import (
     PROBE_REPEATS,
     LinkModel,
@@ -164,8 +165,8 @@ def test_first_decision_tries_dense_where_the_model_allows(link, proposed):
     observe_in_current_modes(scheduler, link)
     assert scheduler.decide(like=None, step=10) == proposed
     assert ops.broadcasts == 1
-    # A trial of `first` steps: the next decision ends it.
-    assert [scheduler.due(s) for s in (14, 15)] == [False, True]
+    # A trial's first block: the next decision, TRIAL_BLOCK_STEPS on, starts the next.
+    assert [scheduler.due(s) for s in (11, 12)] == [False, True]
     big = scheduler.choices[1]
     assert scheduler.link.alpha == pytest.approx(link.alpha, rel=1e-6)
     assert big.local_per_element == pytest.approx(2.5e-9)
@@ -175,8 +176,8 @@ def test_first_decision_tries_dense_where_the_model_allows(link, proposed):
 
 
 def run_block(scheduler: AutoScheduler, link: LinkModel, steps, step: int) -> list[bool]:
-    """One block of a trial: each bucket's steps in its mode, the block's whole steps
-    after the one that carries the decision (not counted), then the decision at ``step``
+    """One block: each bucket's steps in its mode, the block's whole steps after the one
+    that carries the switch or decision (not counted), then the decision at ``step``
     that ends the block."""
     observe_in_current_modes(scheduler, link)
     for seconds in (60.0, *steps):
@@ -192,6 +193,21 @@ def start_bucket_trial(scheduler: AutoScheduler, link: LinkModel, before) -> lis
     return scheduler.decide(like=None, step=10)
 
 
+def run_trial(scheduler: AutoScheduler, link: LinkModel, tried, before, step: int):
+    """A trial's blocks, the first of which began at ``step``: tried and before in turn,
+    each a switch's step (not counted) and one counted step of ``tried[i]`` or
+    ``before[i]`` seconds. Returns the modes and overlap after each block's end."""
+    assert len(tried) == len(before) == TRIAL_ROUNDS
+    after = []
+    for seconds in (s for pair in zip(tried, before) for s in pair):
+        step += TRIAL_BLOCK_STEPS
+        after.append((run_block(scheduler, link, [seconds], step), scheduler.overlap))
+    return after
+
+
+TRIAL_STEPS = 2 * TRIAL_ROUNDS * TRIAL_BLOCK_STEPS
+
+
 @pytest.mark.parametrize("trial_step_s, kept", [(1.0, True), (3.0, False)])
 def test_a_trial_alternates_and_is_kept_only_if_whole_steps_get_faster(trial_step_s, kept):
     link = LinkModel(5e-5, 2e-10)  # loopback: the model lets both buckets try dense
@@ -199,65 +215,74 @@ def test_a_trial_alternates_and_is_kept_only_if_whole_steps_get_faster(trial_ste
     scheduler = AutoScheduler(ops, "s", None, [(4096, 4), (25_000_000, 4)], 0.01, every=10)
     assert start_bucket_trial(scheduler, link, [2.0] * 5) == [True, True]
     assert scheduler.step_seconds == pytest.approx(2.0)
-    # Tried, before, tried, before: a block of `first` = 5 steps each.
-    tried, before = [trial_step_s] * 4, [2.0] * 4
-    assert run_block(scheduler, link, tried, 15) == [False, False]
-    assert scheduler.trials == [] and scheduler.next_decision == 20
-    assert run_block(scheduler, link, before, 20) == [True, True]
-    assert run_block(scheduler, link, tried, 25) == [False, False]
-    assert scheduler.trials == [] and scheduler.next_decision == 30
-    modes = run_block(scheduler, link, before, 30)
+    broadcasts, now = ops.broadcasts, ops.now
+    tried, before = [trial_step_s] * TRIAL_ROUNDS, [2.0] * TRIAL_ROUNDS
+    # Tried, before, tried, ...: one block of TRIAL_BLOCK_STEPS steps each.
+    for index in range(2 * TRIAL_ROUNDS - 1):
+        step = 10 + (index + 1) * TRIAL_BLOCK_STEPS
+        seconds = (tried if index % 2 == 0 else before)[index // 2]
+        modes = run_block(scheduler, link, [seconds], step)
+        assert modes == ([False, False] if index % 2 == 0 else [True, True])
+        assert scheduler.trials == []
+        assert scheduler.next_decision == step + TRIAL_BLOCK_STEPS
+    # Between blocks nothing is sent: every rank follows the same order.
+    assert (ops.broadcasts, ops.now) == (broadcasts, now)
+    modes = run_block(scheduler, link, [2.0], 10 + TRIAL_STEPS)
+    assert ops.broadcasts == broadcasts + 1
     assert modes == ([True, True] if kept else [False, False])
     (outcome,) = scheduler.trials
     assert outcome.before == (False, False) and outcome.tried == (True, True)
     assert outcome.seconds_before == pytest.approx(2.0)
     assert outcome.seconds_tried == pytest.approx(trial_step_s)
     assert outcome.ratio == pytest.approx(trial_step_s / 2.0)
-    assert outcome.blocks == pytest.approx((2.0, trial_step_s, 2.0, trial_step_s, 2.0))
+    assert outcome.blocks == pytest.approx((2.0,) + (trial_step_s, 2.0) * TRIAL_ROUNDS)
     assert outcome.kept == kept
     assert scheduler.step_seconds == pytest.approx(trial_step_s if kept else 2.0)
     # No trial pending: the regular interval, doubled after a rejected bucket trial.
-    assert scheduler.next_decision == (40 if kept else 50)
+    assert scheduler.next_decision == 10 + TRIAL_STEPS + (10 if kept else 20)
     assert scheduler.rejections == (0 if kept else 1)
 
 
 @pytest.mark.parametrize(
-    "blocks, kept",
+    "drift, offset, kept",
     [
         # The machine speeds up by 0.5 s a block; the tried modes are 0.1 s slower than
         # the blocks around them. Judged against the window before it, the first tried
-        # block (3.6 against 4.0) would keep them.
-        ((4.0, 3.6, 3.0, 2.6, 2.0), False),
+        # block (11.6 against 12.0) would keep them.
+        (-0.5, 0.1, False),
         # It slows down by 0.5 s a block; the tried modes are 0.1 s faster. Judged
-        # against the window before it, the first (4.0 against 3.5 s) would reject them.
-        ((3.5, 3.9, 4.5, 4.9, 5.5), True),
+        # against the window before it, the first (4.4 against 4.0 s) would reject them.
+        (0.5, -0.1, True),
     ],
     ids=["speeding-up", "slowing-down"],
 )
-def test_a_machine_that_drifts_during_a_trial_does_not_decide_it(blocks, kept):
+def test_a_machine_that_drifts_during_a_trial_does_not_decide_it(drift, offset, kept):
     link = LinkModel(5e-5, 2e-10)
     scheduler = AutoScheduler(FakeOps(link, 4), "s", None, [(25_000_000, 4)], 0.01, every=10)
+    start = 12.0 if drift < 0 else 4.0
+    blocks = [start + drift * i + (offset if i % 2 else 0.0) for i in range(2 * TRIAL_ROUNDS + 1)]
     assert start_bucket_trial(scheduler, link, [blocks[0]] * 5) == [True]
-    for index, seconds in enumerate(blocks[1:]):
-        modes = run_block(scheduler, link, [seconds] * 4, 15 + 5 * index)
-    assert modes == [kept]
+    after = run_trial(scheduler, link, blocks[1::2], blocks[2::2], 10)
+    assert after[-1][0] == [kept]
     (outcome,) = scheduler.trials
     assert outcome.blocks == pytest.approx(blocks)
-    ratios = [
-        blocks[1] / statistics.mean(blocks[0:3:2]),
-        blocks[3] / statistics.mean(blocks[2:5:2]),
+    logs = [
+        math.log(blocks[i] / statistics.mean(blocks[i - 1 : i + 2 : 2]))
+        for i in range(1, len(blocks), 2)
     ]
-    assert outcome.ratio == pytest.approx(math.sqrt(ratios[0] * ratios[1]))
+    assert outcome.ratio == pytest.approx(math.exp(statistics.median(logs)))
     assert outcome.kept == kept
 
 
 @pytest.mark.parametrize(
     "before, tried, kept",
     [
-        # One stalled step (a neighbour rank took the core) would make the mean 3.0.
-        ((2.0, 2.0, 2.0, 2.0, 2.0), (1.0, 9.0, 1.0, 1.0), True),
-        # A stall before the trial would make the mean 3.4 and keep a slower trial.
-        ((2.0, 2.0, 9.0, 2.0, 2.0), (2.5, 2.5, 2.5, 2.5), False),
+        # One stalled tried step (a neighbour rank took the core): the tried modes are
+        # 0.9x, but the geometric mean of the ratios would be 1.22 and reject them.
+        ([2.0] * 9, [1.8] * 7 + [20.0], True),
+        # A stall in a block before: the tried modes are 1.25x, but the geometric mean
+        # of the ratios would be 0.82 and keep them.
+        ([2.0] * 5 + [20.0] + [2.0] * 3, [2.5] * 8, False),
     ],
     ids=["stall-in-trial", "stall-before"],
 )
@@ -265,11 +290,11 @@ def test_a_single_stalled_step_does_not_decide_a_trial(before, tried, kept):
     link = LinkModel(5e-5, 2e-10)  # loopback: the model lets both buckets try dense
     ops = FakeOps(link, 4)
     scheduler = AutoScheduler(ops, "s", None, [(4096, 4), (25_000_000, 4)], 0.01, every=10)
-    assert start_bucket_trial(scheduler, link, before) == [True, True]
-    for step, steps in ((15, tried), (20, before[1:]), (25, tried), (30, before[1:])):
-        modes = run_block(scheduler, link, steps, step)
-    assert modes == ([True, True] if kept else [False, False])
+    assert start_bucket_trial(scheduler, link, [2.0, 2.0, 9.0, 2.0, 2.0]) == [True, True]
+    after = run_trial(scheduler, link, tried, before[1:], 10)
+    assert after[-1][0] == ([True, True] if kept else [False, False])
     (outcome,) = scheduler.trials
+    assert outcome.blocks[0] == pytest.approx(2.0)  # the window's stall: its median
     assert outcome.seconds_before == pytest.approx(statistics.median(before))
     assert outcome.seconds_tried == pytest.approx(statistics.median(tried))
     assert outcome.kept == kept
@@ -313,8 +338,9 @@ def test_measured_bucket_times_overrule_the_model():
     assert choice.predicted_sparse < choice.predicted_dense < choice.measured_sparse
     # The trial's blocks: dense (each bucket's first step in a mode is not counted),
     # measured slower still, then sparse, in turn; the last decision ends the trial.
-    blocks = ((15, True, [False]), (20, False, [True]), (25, True, [False]), (30, False, [False]))
-    for step, dense, modes in blocks:
+    step = 10
+    for index in range(2 * TRIAL_ROUNDS):
+        dense = index % 2 == 0
         choice.observe(dense, 0.1, 0.1)  # the switch's first step: not counted
         if dense:
             choice.observe(True, 9.0)
@@ -322,12 +348,14 @@ def test_measured_bucket_times_overrule_the_model():
             choice.observe(False, 5.0, 2.5e-9 * choice.numel)
         for seconds in (60.0, 10.0 if dense else 6.0):
             scheduler.observe_step(seconds)
-        assert scheduler.decide(like=None, step=step) == modes
+        step += TRIAL_BLOCK_STEPS
+        last = index == 2 * TRIAL_ROUNDS - 1
+        assert scheduler.decide(like=None, step=step) == [False if last else not dense]
     assert scheduler.trials[0].kept is False  # steps were slower: sparse stays
     assert choice.measured_dense == pytest.approx(9.0)
     # With both modes measured, the bucket's own costs propose sparse; dense, measured
     # within TRIAL_FACTOR of it, is explored again after twice the interval (a rejection).
-    assert scheduler.next_decision == 30 + 2 * scheduler.every
+    assert scheduler.next_decision == step + 2 * scheduler.every
     choice.observe(False, 5.0, 2.5e-9 * choice.numel)
     assert scheduler.decide(like=None, step=scheduler.next_decision) == [True]
     assert len(scheduler.trials) == 1
@@ -359,12 +387,12 @@ def test_overlap_alone_is_judged_by_whole_steps(off_step_s, kept):
     assert scheduler.overlap is False
     # No density choice: no probes (only the measurements, far below one 1M-value probe).
     assert scheduler.link is None and ops.now < ring_time(ops.link, 1 << 20, 4)
-    assert scheduler.next_decision == 15
-    for step, steps, overlap in ((15, [off_step_s] * 4, True), (20, [2.0] * 4, False)):
-        assert run_block(scheduler, link, steps, step) == [False]
-        assert scheduler.overlap is overlap
-    run_block(scheduler, link, [off_step_s] * 4, 25)
-    assert run_block(scheduler, link, [2.0] * 4, 30) == [False]
+    assert scheduler.next_decision == 10 + TRIAL_BLOCK_STEPS
+    tried, before = [off_step_s] * TRIAL_ROUNDS, [2.0] * TRIAL_ROUNDS
+    after = run_trial(scheduler, link, tried, before, 10)
+    # Overlap back on after each tried block, off after each block before.
+    assert [overlap for _, overlap in after[:-1]] == [True, False] * (TRIAL_ROUNDS - 1) + [True]
+    assert all(modes == [False] for modes, _ in after)
     assert scheduler.overlap is (not kept)
     (outcome,) = scheduler.trials
     assert outcome.before == outcome.tried == (False,)
@@ -372,10 +400,12 @@ def test_overlap_alone_is_judged_by_whole_steps(off_step_s, kept):
     assert outcome.seconds_before == pytest.approx(2.0)
     assert outcome.seconds_tried == pytest.approx(off_step_s)
     assert outcome.kept == kept
-    assert scheduler.next_decision == 40
+    ended = 10 + TRIAL_STEPS
+    assert scheduler.next_decision == ended + 10
     # The next regular decision tries the other setting again: conditions may change.
-    run_block(scheduler, link, [off_step_s if kept else 2.0], 40)
-    assert scheduler.overlap is kept and scheduler.next_decision == 45
+    run_block(scheduler, link, [off_step_s if kept else 2.0], ended + 10)
+    assert scheduler.overlap is kept
+    assert scheduler.next_decision == ended + 10 + TRIAL_BLOCK_STEPS
 
 
 def test_a_bucket_trial_is_followed_by_an_overlap_trial():
@@ -387,37 +417,34 @@ def test_a_bucket_trial_is_followed_by_an_overlap_trial():
     # The bucket proposal goes first, with the overlap unchanged.
     assert start_bucket_trial(scheduler, link, [2.0] * 5) == [True, True]
     assert scheduler.overlap is True
-    for step, steps in ((15, [1.0] * 4), (20, [2.0] * 4), (25, [1.0] * 4)):
-        run_block(scheduler, link, steps, step)
-        assert scheduler.overlap is True
+    after = run_trial(scheduler, link, [1.0] * TRIAL_ROUNDS, [2.0] * TRIAL_ROUNDS, 10)
+    assert all(overlap is True for _, overlap in after[:-1])
     # Dense is kept, and overlap off is tried at once under the new modes.
-    assert run_block(scheduler, link, [2.0] * 4, 30) == [True, True]
-    assert scheduler.overlap is False
-    assert scheduler.next_decision == 35
-    for step, steps, overlap in ((35, 1.2, True), (40, 1.0, False), (45, 1.2, True)):
-        assert run_block(scheduler, link, [steps] * 4, step) == [True, True]
-        assert scheduler.overlap is overlap
-    assert run_block(scheduler, link, [1.0] * 4, 50) == [True, True]
+    assert after[-1] == ([True, True], False)
+    ended = 10 + TRIAL_STEPS
+    assert scheduler.next_decision == ended + TRIAL_BLOCK_STEPS
+    after = run_trial(scheduler, link, [1.2] * TRIAL_ROUNDS, [1.0] * TRIAL_ROUNDS, ended)
+    assert all(modes == [True, True] for modes, _ in after)
+    assert [overlap for _, overlap in after[:-1]] == [True, False] * (TRIAL_ROUNDS - 1) + [True]
     assert scheduler.overlap is True  # overlap off was slower: back on
     bucket_trial, overlap_trial = scheduler.trials
     assert bucket_trial.tried == (True, True) and bucket_trial.kept
     assert (bucket_trial.overlap_before, bucket_trial.overlap_tried) == (True, True)
     assert overlap_trial.before == overlap_trial.tried == (True, True)
     assert (overlap_trial.overlap_before, overlap_trial.overlap_tried) == (True, False)
-    # Its first block is judged against the bucket trial's last dense block.
-    assert overlap_trial.blocks == pytest.approx((1.0, 1.2, 1.0, 1.2, 1.0))
+    # Its first block is judged against the bucket trial's dense blocks.
+    assert overlap_trial.blocks == pytest.approx((1.0,) + (1.2, 1.0) * TRIAL_ROUNDS)
     assert overlap_trial.seconds_before == pytest.approx(1.0)
     assert not overlap_trial.kept
     assert scheduler.step_seconds == pytest.approx(1.0)
-    assert scheduler.next_decision == 60
+    assert scheduler.next_decision == ended + TRIAL_STEPS + 10
 
 
 def test_without_overlap_ownership_trials_leave_it_alone():
     link = LinkModel(5e-5, 2e-10)
     scheduler = AutoScheduler(FakeOps(link, 4), "s", None, [(25_000_000, 4)], 0.01, every=10)
     start_bucket_trial(scheduler, link, [2.0])
-    for step in (15, 20, 25, 30):
-        run_block(scheduler, link, [1.0 if step % 10 else 2.0], step)
-        assert scheduler.overlap is None
+    after = run_trial(scheduler, link, [1.0] * TRIAL_ROUNDS, [2.0] * TRIAL_ROUNDS, 10)
+    assert all(overlap is None for _, overlap in after)
     assert scheduler.trials[0].kept and scheduler.trials[0].overlap_before is None
-    assert scheduler.next_decision == 40
+    assert scheduler.next_decision == 10 + TRIAL_STEPS + 10
