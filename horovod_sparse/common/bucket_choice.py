@@ -28,12 +28,15 @@ __all__ = [
 TRIAL_FACTOR = 2.5
 # Steps each block of a trial runs. The first step after a switch carries its one-off
 # costs (the fold of the residual into a dense step, a threshold refresh) and is not
-# counted, so each block is judged by one step, taken next to the other setting's: on the
-# demo's model (2 ranks on 2 cores) medians of 8 such pairs fell on the wrong side of 1 in
-# 1 % of windows, where blocks of 5 steps had put the same modes at 0.71-1.67x.
-TRIAL_BLOCK_STEPS = 2
-# Blocks of the tried setting in one trial, each followed by a block of the setting before.
-TRIAL_ROUNDS = 8
+# counted. Shorter blocks blur the modes: with the demo's exchange switched every 2 steps
+# (2 ranks on 2 cores, benchmarks/trial_noise.py) sparse measured 1.00-1.07x dense over
+# whole runs, every 5 steps 1.17-1.18x, and trials of 2-step blocks fell on the wrong
+# side of 1 in a third of windows or more.
+TRIAL_BLOCK_STEPS = 5
+# Blocks of the tried setting in one trial, each followed by a block of the setting
+# before. In the same runs trials of two 5-step blocks of each fell on the wrong side of
+# 1 in 5-17 % of windows, of four in 0-11 %.
+TRIAL_ROUNDS = 4
 
 # A setting a trial compares: the mode of each sparse bucket (True: dense) and the
 # all-gather overlap (None where the scheduler does not own it).
@@ -130,10 +133,9 @@ class Trial:
     blocks of each. ``started``: the trial's blocks begun so far.
 
     Each tried block is compared with the mean of the before blocks either side of it,
-    so that a machine whose speed drifts moves both sides of every ratio alike, and the
-    blocks are short, so that the two sides of a ratio are steps a few apart: on 2
-    shared cores the machine's speed moves over tens of steps (5-step medians of the
-    same modes measured 17.2-42.7 ms within one trial on the demo's model)."""
+    so that a machine whose speed drifts moves both sides of every ratio alike (5-step
+    medians of the same modes measured 17.2-42.7 ms within one trial on the demo's
+    model, 2 ranks on 2 cores)."""
 
     before: Setting
     tried: Setting

@@ -21,24 +21,31 @@ Per-bucket exchange seconds do not see everything either: where ranks share core
 bucket's selection or background copy slows everyone's backward. So a proposal that
 changes any bucket's mode is a trial, judged by whole training steps (each step's time
 averaged over ranks). It runs the tried modes and the modes before it in turn, blocks of
-``first`` steps, ``TRIAL_ROUNDS`` of each (tried, before, tried, before), and compares
-each tried block's median step with the mean of the before blocks either side of it
-(the first one: the last ``2 * first`` steps before the trial). The tried modes are kept
-only if the geometric mean of those ratios is below 1; otherwise the modes before it,
-which the trial ends in, stay. Alternating, not one window after the other, because a
-machine shared with other work drifts: on the demo's model (2 ranks on 2 cores) medians
-of the same modes ranged 22.8-51.5 ms in one job, so one window judged against the
-steps before it compared two speeds of the machine as much as two settings. Medians,
-not means: where ranks share cores, single steps stall for several times the usual
-step (3 s steps with 7 s and 12 s among them, 4 ranks on 2 cores), and one such stall
-in a block would decide a trial by itself. A rejected proposal may be tried
-again at a later decision, every ``every`` steps; each bucket trial rejected in a row
-doubles that wait, up to ``2 ** BACKOFF_DOUBLINGS`` times ``every``, and one kept resets
-it. Whole steps are counted from step ``first`` on, so the first decision comes at step
-``2 * first``: the first steps of training run slower (allocations, connections, first
-threshold estimates) and would favour any trial. The first step after each decision is
-not counted either (it carries the probes, any fold of the residual at a switch to dense
-and a threshold refresh at a switch to sparse).
+``TRIAL_BLOCK_STEPS`` (5) steps, ``TRIAL_ROUNDS`` (4) of each (tried, before, tried, ...),
+and compares each tried block's median step with the mean of the before blocks either
+side of it (the first one: the median of the last ``2 * first`` steps before the trial).
+The first step of each block carries the switch (a fold of the residual, a threshold
+refresh) and is not counted. The tried modes are kept only if the median of those
+ratios is below 1; otherwise the modes before it, which the trial ends in, stay. In
+turn, because a machine shared with other work drifts: on the demo's model (2 ranks on
+2 cores) 5-step medians of the same modes ranged 17.2-42.7 ms within one trial. Four
+rounds, not two: with the exchange switched every 5 steps for whole runs, trials of two
+ratios fell on the wrong side of 1 in 5-17 % of windows, of four in 0-11 %
+(``benchmarks/trial_noise.py``). Shorter blocks blur the modes (every 2 steps, sparse
+measured 1.00-1.07x dense over whole runs where every 5 steps measured 1.17-1.18x). Medians,
+not means: where ranks share cores single steps stall for several times the usual step
+(3 s steps with 7 s and 12 s among them, 4 ranks on 2 cores), and one such stall would
+decide a trial by itself. Every rank switches blocks at the same steps on its own, with
+no collective; the blocks' steps are shared once, at the trial's end, and rank 0's
+verdict is broadcast. A
+rejected proposal may be tried again at a later decision, every ``every`` steps; each
+bucket trial rejected in a row doubles that wait, up to ``2 ** BACKOFF_DOUBLINGS``
+times ``every``, and one kept resets it. Whole steps are counted from step ``first``
+on, so the first decision comes at step ``2 * first``: the first steps of training run
+slower (allocations, connections, first threshold estimates) and would favour any
+trial. The first step after each decision is not counted either (it carries the
+probes, any fold of the residual at a switch to dense and a threshold refresh at a
+switch to sparse).
 
 The same trials can judge the all-gather overlap (``overlap_allgather="auto"``): where
 the overlapped all-gather and the next forward compete for the same cores instead of

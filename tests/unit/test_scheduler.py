@@ -166,7 +166,8 @@ def test_first_decision_tries_dense_where_the_model_allows(link, proposed):
     assert scheduler.decide(like=None, step=10) == proposed
     assert ops.broadcasts == 1
     # A trial's first block: the next decision, TRIAL_BLOCK_STEPS on, starts the next.
-    assert [scheduler.due(s) for s in (11, 12)] == [False, True]
+    block_end = 10 + TRIAL_BLOCK_STEPS
+    assert [scheduler.due(s) for s in (block_end - 1, block_end)] == [False, True]
     big = scheduler.choices[1]
     assert scheduler.link.alpha == pytest.approx(link.alpha, rel=1e-6)
     assert big.local_per_element == pytest.approx(2.5e-9)
@@ -277,12 +278,12 @@ def test_a_machine_that_drifts_during_a_trial_does_not_decide_it(drift, offset, 
 @pytest.mark.parametrize(
     "before, tried, kept",
     [
-        # One stalled tried step (a neighbour rank took the core): the tried modes are
-        # 0.9x, but the geometric mean of the ratios would be 1.22 and reject them.
-        ([2.0] * 9, [1.8] * 7 + [20.0], True),
-        # A stall in a block before: the tried modes are 1.25x, but the geometric mean
-        # of the ratios would be 0.82 and keep them.
-        ([2.0] * 5 + [20.0] + [2.0] * 3, [2.5] * 8, False),
+        # One stalled tried block (a neighbour rank took the core): the tried modes are
+        # 0.9x, but the geometric mean of the ratios would be 1.64 and reject them.
+        ([2.0] * (TRIAL_ROUNDS + 1), [1.8] * (TRIAL_ROUNDS - 1) + [20.0], True),
+        # A stall in the last block before: the tried modes are 1.25x, but the
+        # geometric mean of the ratios would be 0.82 and keep them.
+        ([2.0] * TRIAL_ROUNDS + [20.0], [2.5] * TRIAL_ROUNDS, False),
     ],
     ids=["stall-in-trial", "stall-before"],
 )
@@ -295,6 +296,9 @@ def test_a_single_stalled_step_does_not_decide_a_trial(before, tried, kept):
     assert after[-1][0] == ([True, True] if kept else [False, False])
     (outcome,) = scheduler.trials
     assert outcome.blocks[0] == pytest.approx(2.0)  # the window's stall: its median
+    # The geometric mean of the ratios would have decided the other way.
+    logs = [math.log(tried[i] / statistics.mean(before[i : i + 2])) for i in range(TRIAL_ROUNDS)]
+    assert (statistics.mean(logs) < 0) != kept
     assert outcome.seconds_before == pytest.approx(statistics.median(before))
     assert outcome.seconds_tried == pytest.approx(statistics.median(tried))
     assert outcome.kept == kept
