@@ -11,8 +11,8 @@ For each block length it prints the ratio over the whole run (the median of ever
 ratio: what a long trial would find) and, for trials of R ratios (R sparse blocks), the
 range of the trial's verdict over every window of R consecutive ratios in the run and
 the share of windows whose verdict falls on the other side of 1 from the whole run's:
-the median of the R ratios (the rule since blocks became 2 steps) and their geometric
-mean (the rule of 5-step blocks before it).
+the median of the R ratios (the scheduler's rule: 4 ratios of 5-step blocks) and their
+geometric mean (its rule before: 2 ratios).
 
     python benchmarks/trial_noise.py --blocks 2,5 --steps 400
 

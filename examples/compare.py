@@ -41,8 +41,9 @@ def explain_schedule(row: dict) -> None:
     """What scheduler="auto" chose per bucket, on which measurements, and its trials."""
     print(
         f"\n{row['mode']}: what it chose and why (a trial runs the modes before and tried in"
-        "\n  turn and keeps the tried ones only if their median whole steps beat the blocks"
-        "\n  around them; a bucket's exchange time alone does not decide)"
+        "\n  turn, four blocks of 5 steps each, and keeps the tried ones only if their median"
+        "\n  step over the blocks around them is below 1; a bucket's exchange time alone does"
+        "\n  not decide)"
     )
     for name, choice in row["schedule"].items():
         print(
