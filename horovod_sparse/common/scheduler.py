@@ -32,13 +32,13 @@ turn, because a machine shared with other work drifts: on the demo's model (2 ra
 rounds, not two: with the exchange switched every 5 steps for whole runs, trials of two
 ratios fell on the wrong side of 1 in 5-17 % of windows, of four in 0-11 %
 (``benchmarks/trial_noise.py``). Shorter blocks blur the modes (every 2 steps, sparse
-measured 1.00-1.07x dense over whole runs where every 5 steps measured 1.17-1.18x). Medians,
-not means: where ranks share cores single steps stall for several times the usual step
-(3 s steps with 7 s and 12 s among them, 4 ranks on 2 cores), and one such stall would
-decide a trial by itself. Every rank switches blocks at the same steps on its own, with
-no collective; the blocks' steps are shared once, at the trial's end, and rank 0's
-verdict is broadcast. A
-rejected proposal may be tried again at a later decision, every ``every`` steps; each
+measured 1.00-1.07x dense over whole runs where every 5 steps measured 1.17-1.18x).
+Medians, not means: where ranks share cores single steps stall for several times the
+usual step (3 s steps with 7 s and 12 s among them, 4 ranks on 2 cores), and one such
+stall would decide a trial by itself. Every rank switches blocks at the same steps on
+its own, with no collective; the blocks' steps are shared once, at the trial's end, and
+rank 0's verdict is broadcast. A rejected proposal may be tried again at a later
+decision, every ``every`` steps; each
 bucket trial rejected in a row doubles that wait, up to ``2 ** BACKOFF_DOUBLINGS``
 times ``every``, and one kept resets it. Whole steps are counted from step ``first``
 on, so the first decision comes at step ``2 * first``: the first steps of training run
