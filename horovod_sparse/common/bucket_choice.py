@@ -130,7 +130,8 @@ class Trial:
     """A trial in progress. ``blocks``: the median whole-step seconds (mean over ranks)
     of the window before the trial, under ``before``; once the trial's blocks have run,
     then each block's, in order: ``tried`` and ``before`` in turn, ``TRIAL_ROUNDS``
-    blocks of each. ``started``: the trial's blocks begun so far.
+    blocks of each. ``steps``: this rank's counted step seconds in each block ended so
+    far (the trial's blocks are shared over ranks at its end).
 
     Each tried block is compared with the mean of the before blocks either side of it,
     so that a machine whose speed drifts moves both sides of every ratio alike (5-step
@@ -140,15 +141,16 @@ class Trial:
     before: Setting
     tried: Setting
     blocks: list[float]
-    started: int = 1
+    steps: list[list[float]] = field(default_factory=list)
 
-    def advance(self) -> Setting | None:
-        """The setting the next block runs, counting it as begun; None once every block
+    def advance(self, ended: list[float]) -> Setting | None:
+        """A block ended, with this rank's counted step seconds ``ended``: the setting
+        the next block runs (tried first, then before, in turn); None once every block
         has run."""
-        if self.started >= 2 * TRIAL_ROUNDS:
+        self.steps.append(ended)
+        if len(self.steps) >= 2 * TRIAL_ROUNDS:
             return None
-        self.started += 1
-        return self.tried if self.started % 2 == 1 else self.before
+        return self.tried if len(self.steps) % 2 == 0 else self.before
 
     def ratio(self) -> float:
         """The median over tried blocks of the block's seconds over the mean of the

@@ -158,7 +158,6 @@ class AutoScheduler:
         self.rejections = 0
         self._trial: Trial | None = None  # the trial in progress
         self._step_times: list[float] = []  # this rank's whole steps since the last block
-        self._trial_steps: list[list[float]] = []  # this rank's steps in each ended block
         self._steps_to_skip = self.first  # whole steps not counted: start of training
 
     def due(self, step: int) -> bool:
@@ -174,12 +173,12 @@ class AutoScheduler:
     def hold(self) -> None:
         """Decide no more (the modes were pinned by hand), with no trial in progress."""
         self.next_decision = sys.maxsize
-        self._trial, self._trial_steps = None, []
+        self._trial = None
 
     def restart(self, step: int) -> None:
         """After a restored checkpoint: decide at ``step``, with no trial in progress."""
         self.next_decision = step
-        self._trial, self._trial_steps = None, []
+        self._trial = None
         self._step_times = []
         self._steps_to_skip = 1
 
@@ -206,10 +205,11 @@ class AutoScheduler:
         """
         now = self.next_decision if step is None else step
         trial = self._trial
-        following = trial.advance() if trial is not None else None
-        if following is not None:
-            self._trial_steps.append(self._step_times)
+        following = None
+        if trial is not None:
+            following = trial.advance(self._step_times)
             self._step_times = []
+        if following is not None:
             self._apply(*following)
             self._steps_to_skip = 1  # the switch's step
             self.next_decision = now + TRIAL_BLOCK_STEPS
@@ -266,13 +266,13 @@ class AutoScheduler:
         ops = self.ops
         windows = [x for choice in self.choices for x in choice.take_windows()]
         if self._trial is not None:
-            blocks = [*self._trial_steps, self._step_times]
+            blocks = self._trial.steps
         else:
             # The steps just before a trial are its baseline: a machine shared with other
             # work drifts over a whole window (medians of 10.0 and 13.0 ms for the same
             # modes a hundred steps apart on the demo's model).
             blocks = [self._step_times[-2 * self.first :]]
-        self._step_times, self._trial_steps = [], []
+        self._step_times = []
         summed = ops.to_host_list(
             ops.wait(
                 ops.allreduce_sum_async(
