@@ -150,11 +150,15 @@ def main() -> None:
             f"hf trainer OK: {dist.get_world_size()} ranks, parameters identical on every "
             "rank, the run resumed from its halfway checkpoint equals the uninterrupted one"
         )
-    dist.barrier()
+    dist.barrier()  # every rank is done with the checkpoints
     if rank == 0:
         import shutil
 
         shutil.rmtree(base)
+    # Without this, a rank leaving while Gloo's threads still hold its last collective's
+    # work aborts at interpreter exit ("terminate called without an active exception",
+    # once in this example's test); the barrier above keeps every rank out of a collective.
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -153,6 +153,7 @@ def main() -> None:
         shutil.rmtree(folder[0])
         verdict = f"FAILED: not {', '.join(failed)}" if failed else f"OK: {', '.join(checks)}"
         print(f"lightning {verdict}")
+    dist.destroy_process_group()  # as hf_trainer_sparse.py: no Gloo work left at exit
     if failed:
         raise SystemExit(1)
 
