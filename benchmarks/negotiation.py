@@ -95,7 +95,8 @@ def _median(fn, steps: int, label: str) -> float:
         began = time.perf_counter()
         fn(i)
         took = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
-        slowest = float(hvd.allreduce(took, op=hvd.Max, name=f"t.{label}.{i}"))
+        # One name for every call: a fresh name each call is negotiated afresh.
+        slowest = float(hvd.allreduce(took, op=hvd.Max, name=f"t.{label}"))
         if i >= 10:
             times.append(slowest)
     return statistics.median(times)

@@ -45,8 +45,8 @@ def main() -> None:
         kept.append(int((out != 0).sum()))
         # Mass conservation on the prefix: sent plus what stays equals what came in.
         residual = hvds.residual(name, hvd.global_process_set)[:prefix].double()
-        came = hvd.allreduce(carried + grad[:prefix].double(), op=hvd.Sum, name=f"in.{step}")
-        stays = hvd.allreduce(residual, op=hvd.Sum, name=f"stays.{step}")
+        came = hvd.allreduce(carried + grad[:prefix].double(), op=hvd.Sum, name="in")
+        stays = hvd.allreduce(residual, op=hvd.Sum, name="stays")
         error = float((stays + out[:prefix].double() - came).abs().max())
         if error > 1e-3:
             raise AssertionError(f"call {step}: mass off by {error}")

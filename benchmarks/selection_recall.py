@@ -39,13 +39,13 @@ def main() -> None:
     residual = torch.zeros(numel)
     recalls, candidate_recalls, kept = [], [], []
     refreshes = 0
-    for step in range(args.steps):
+    for _ in range(args.steps):
         x = torch.randn(64, 64, generator=g)
         y = (x @ teacher).argmax(-1)
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         grad = torch.cat([p.grad.reshape(-1) for p in params])
-        accumulators = hvd.allgather((residual + grad).view(1, -1), name=f"acc.{step}")
+        accumulators = hvd.allgather((residual + grad).view(1, -1), name="acc")
         out = hvds.sparse_allreduce(
             grad,
             density=args.density,
