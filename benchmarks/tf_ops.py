@@ -92,19 +92,14 @@ def markdown(modes: dict[str, dict[str, Any]], top: int) -> str:
     lines.append(row("step, wall", [(m["step_ms"], None) for m in modes.values()]))
     lines.append(row("executor", [(m["executor_ms"], None) for m in modes.values()]))
     lines.append(row("kernels", [(m["kernels_ms"], m["kernels"]) for m in modes.values()]))
+    absent = {"ms": 0.0, "count": 0.0}  # an op type a mode did not run
     kinds = {kind for m in modes.values() for kind in m["by_type"]}
     ranked = sorted(
-        kinds, key=lambda k: -max(m["by_type"].get(k, {"ms": 0})["ms"] for m in modes.values())
+        kinds, key=lambda k: -max(m["by_type"].get(k, absent)["ms"] for m in modes.values())
     )
     for kind in ranked[:top]:
-        cells = [
-            (
-                m["by_type"].get(kind, {"ms": 0.0})["ms"],
-                m["by_type"].get(kind, {"count": 0.0})["count"],
-            )
-            for m in modes.values()
-        ]
-        lines.append(row(f"`{kind}`", cells))
+        of_kind = [m["by_type"].get(kind, absent) for m in modes.values()]
+        lines.append(row(f"`{kind}`", [(t["ms"], t["count"]) for t in of_kind]))
     return "\n".join(lines)
 
 

@@ -1,23 +1,15 @@
 """benchmarks/tf_ops.py: kernels are told from the executor's and profiler's own events,
 summed by op type over TF's compute threads only, and divided by the profiled steps."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def tf_ops():
-    spec = importlib.util.spec_from_file_location("tf_ops", ROOT / "benchmarks" / "tf_ops.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tf_ops"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/tf_ops.py")
 
 
 def space_of(plane_name: str, lines: dict[str, list[tuple[str, float]]]) -> xplane_pb2.XSpace:

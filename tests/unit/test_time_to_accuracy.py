@@ -1,24 +1,18 @@
 """benchmarks/time_to_accuracy.py: the time to dense's final metric is read off the curves
 as the table says (first evaluation that reaches it; "not reached" and the gap otherwise)."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def tta():
-    spec = importlib.util.spec_from_file_location(
-        "time_to_accuracy", ROOT / "benchmarks" / "time_to_accuracy.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["time_to_accuracy"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/time_to_accuracy.py")
 
 
 def run(points, seed=0):
@@ -74,11 +68,7 @@ def test_a_subset_of_modes_always_trains_dense_and_refuses_unknown_names(tta):
 
 
 def test_the_wide_mlp_task_has_25m_parameters_and_the_same_data_on_every_rank():
-    spec = importlib.util.spec_from_file_location(
-        "wide_mlp", ROOT / "examples" / "pytorch" / "wide_mlp.py"
-    )
-    wide_mlp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(wide_mlp)
+    wide_mlp = load_script("examples/pytorch/wide_mlp.py")
     parameters = sum(p.numel() for p in wide_mlp.model().parameters())
     assert parameters == 25_583_716
     first, second = wide_mlp.load_split(), wide_mlp.load_split()

@@ -1,25 +1,16 @@
 """benchmarks/trial_noise.py: blocks, ratios and trial verdicts are read off a run's steps
 as a trial of scheduler="auto" forms them (each block's first step not counted)."""
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def noise():
-    spec = importlib.util.spec_from_file_location(
-        "trial_noise", ROOT / "benchmarks" / "trial_noise.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["trial_noise"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/trial_noise.py")
 
 
 def test_a_block_is_the_median_of_its_steps_after_the_first(noise):
