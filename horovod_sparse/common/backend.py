@@ -300,6 +300,14 @@ class Backend(Protocol):
         or a list of counts), each of distinct ascending values (one per sending rank),
         which may be merged rather than sorted."""
 
+    def sum_rows(
+        self, indices: Tensor, values: Tensor, like: Tensor, runs: Any = None
+    ) -> tuple[Tensor, Tensor]:
+        """``(distinct indices ascending, the sum of values at each)`` in ``like``'s
+        dtype, each sum added in row order (so identical inputs give identical bits):
+        :meth:`unique_inverse` then :meth:`add_at` into zeros, or one kernel doing both.
+        ``runs``: as for :meth:`unique_inverse`."""
+
     # ---- value compression (Horovod ``Compression`` classes)
     def compress(self, values: Tensor, compression: Any) -> tuple[Tensor, Any, Any]:
         """``(wire values, context, rounding lost or None)``."""

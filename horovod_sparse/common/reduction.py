@@ -46,5 +46,4 @@ def reduce_rows(
     # Sum over the distinct received indices only: O(rows), not O(region length).
     # Rows are added in arrival (rank) order, so the sums do not depend on timing (the
     # torch backend avoids index_add_'s unordered atomics on CUDA for this).
-    distinct, position = ops.unique_inverse(indices, runs)
-    return distinct, ops.add_at(ops.zeros(ops.num_rows(distinct), like), position, values)
+    return ops.sum_rows(indices, values, like, runs)

@@ -282,6 +282,11 @@ class TFBackend(HorovodPrimitives):
     def unique_inverse(self, indices: tf.Tensor, runs: Any = None) -> tuple[tf.Tensor, tf.Tensor]:
         return kernels.unique_inverse(indices, runs)
 
+    def sum_rows(
+        self, indices: tf.Tensor, values: tf.Tensor, like: tf.Tensor, runs: Any = None
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        return kernels.sum_rows(indices, values, like, runs, self.add_at)
+
     # ---- global selection (radix select over fp32 magnitude bits)
     def magnitude_keys(self, values: tf.Tensor) -> tf.Tensor:
         return tf.bitcast(tf.cast(tf.abs(values), tf.float32), tf.int32)

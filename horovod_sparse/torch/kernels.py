@@ -278,6 +278,12 @@ class TorchKernels(HorovodPrimitives):
         # NumPy's merge took 5.7-6.7 in the same run); parallel above two threads.
         return torch.unique(indices, sorted=True, return_inverse=True)
 
+    def sum_rows(
+        self, indices: torch.Tensor, values: torch.Tensor, like: torch.Tensor, runs: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        distinct, position = self.unique_inverse(indices, runs)
+        return distinct, self.add_at(self.zeros(distinct.shape[0], like), position, values)
+
     # ---- global selection (radix select over fp32 magnitude bits)
     def magnitude_keys(self, values: torch.Tensor) -> torch.Tensor:
         return values.abs().to(torch.float32).view(torch.int32)

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import horovod_sparse.tensorflow.kernels as kernels
 from horovod_sparse.common.host_candidates import CANDIDATE_CHUNK
+from horovod_sparse.tensorflow.backend import TFBackend
 
 
 @pytest.mark.parametrize("host_pass", [True, False])
@@ -115,3 +116,35 @@ def test_both_merges_give_the_distinct_indices_and_each_rows_position(lengths):
         assert (distinct.dtype, position.dtype) == (tf.int64, tf.int64)
         np.testing.assert_array_equal(distinct.numpy(), expected_distinct)
         np.testing.assert_array_equal(position.numpy(), expected_position.ravel())
+
+
+@pytest.mark.parametrize("host_pass", [True, False])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("lengths", [(3, 0, 5), (0, 0), (4000, 3000, 5000, 100)])
+def test_both_row_sums_add_each_index_in_row_order(monkeypatch, host_pass, dtype, lengths):
+    monkeypatch.setattr(kernels, "HOST_PASS", host_pass)
+    rng = np.random.default_rng(sum(lengths) + 7)
+    runs = [np.sort(rng.choice(2 * max(lengths) + 1, n, replace=False)) for n in lengths]
+    indices = np.concatenate(runs).astype(np.int64)
+    values = rng.standard_normal(indices.size).astype(dtype)
+    # The definition: each distinct index's rows added one by one, in row order, in
+    # the bucket's dtype (so the sums are the same bits whichever kernel adds them).
+    expected_distinct = np.unique(indices)
+    expected = np.zeros(expected_distinct.size, dtype)
+    where = np.searchsorted(expected_distinct, indices)
+    for row, position in enumerate(where):
+        expected[position] = dtype(expected[position] + values[row])
+    like = tf.zeros([1], dtype)
+    known = tf.constant(np.array(lengths, dtype=np.int64))
+
+    def summed(i: tf.Tensor, v: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        return kernels.sum_rows(i, v, like, known, TFBackend().add_at)
+
+    traced = tf.function(summed)
+    for distinct, sums in (
+        summed(tf.constant(indices), tf.constant(values)),
+        traced(tf.constant(indices), tf.constant(values)),
+    ):
+        assert (distinct.dtype, sums.dtype) == (tf.int64, tf.as_dtype(dtype))
+        np.testing.assert_array_equal(distinct.numpy(), expected_distinct)
+        np.testing.assert_array_equal(sums.numpy(), expected)
