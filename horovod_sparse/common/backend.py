@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from horovod_sparse.common.host_counts import HostCounts
+from horovod_sparse.common.host_counts import HostCounts, host_at_least
 
 if TYPE_CHECKING:
     from horovod_sparse.common.config import SparseConfig
@@ -58,16 +58,6 @@ class HostCell:
 
     def set(self, value: Any) -> None:
         self.value = value
-
-
-def host_at_least(count: Any, bound: int) -> bool:
-    """Whether ``count`` is a host number of at least ``bound``.
-
-    A graph scalar (a budget that follows a TF step variable) is never known here: its
-    caller settles the comparison in the graph (a ``tf.cond`` on the schedule takes the
-    dense step whenever the budget reaches n, so a graph budget is below n).
-    """
-    return isinstance(count, (int, float)) and count >= bound
 
 
 class HorovodPrimitives(HostCounts):

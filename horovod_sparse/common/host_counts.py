@@ -12,7 +12,7 @@ from horovod_sparse.common.config import budget
 if TYPE_CHECKING:
     from horovod_sparse.common.config import SparseConfig
 
-__all__ = ["HostCounts"]
+__all__ = ["HostCounts", "host_at_least"]
 
 
 _ROUNDINGS: dict[str, Callable[[float], int]] = {
@@ -20,6 +20,16 @@ _ROUNDINGS: dict[str, Callable[[float], int]] = {
     "floor": math.floor,
     "round": round,  # half to even, as tf.math.round
 }
+
+
+def host_at_least(count: Any, bound: int) -> bool:
+    """Whether ``count`` is a host number of at least ``bound``.
+
+    A graph scalar (a budget that follows a TF step variable) is never known here: its
+    caller settles the comparison in the graph (a ``tf.cond`` on the schedule takes the
+    dense step whenever the budget reaches n, so a graph budget is below n).
+    """
+    return isinstance(count, (int, float)) and count >= bound
 
 
 class HostCounts:

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from horovod_sparse.common.backend import Backend, Tensor
 
-__all__ = ["owner_reduce", "reduce_rows"]
+__all__ = ["owner_reduce", "reduce_rows", "sum_rows_in_turn"]
 
 
 def owner_reduce(
@@ -47,3 +47,12 @@ def reduce_rows(
     # Rows are added in arrival (rank) order, so the sums do not depend on timing (the
     # torch backend avoids index_add_'s unordered atomics on CUDA for this).
     return ops.sum_rows(indices, values, like, runs)
+
+
+def sum_rows_in_turn(
+    ops: Backend, indices: Tensor, values: Tensor, like: Tensor, runs: Any = None
+) -> tuple[Tensor, Tensor]:
+    """``Backend.sum_rows`` from two kernels: ``unique_inverse``, then ``add_at`` into
+    zeros (a backend with no kernel that does both takes this as its ``sum_rows``)."""
+    distinct, position = ops.unique_inverse(indices, runs)
+    return distinct, ops.add_at(ops.zeros(ops.num_rows(distinct), like), position, values)

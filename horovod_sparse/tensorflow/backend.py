@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from horovod_sparse.common.backend import HorovodPrimitives
 from horovod_sparse.common.config import SparseConfig
-from horovod_sparse.tensorflow import kernels, residual_variable, wire_rows
+from horovod_sparse.tensorflow import kernels, residual_variable, row_sums, wire_rows
 from horovod_sparse.tensorflow.kernels import VariableCell, scheduled_budget, top_k_mask
 
 __all__ = ["BACKEND", "TFBackend", "VariableCell"]  # VariableCell: from kernels.py
@@ -280,12 +280,12 @@ class TFBackend(HorovodPrimitives):
         return wire_rows.unpack_rows(rows, wire_like)
 
     def unique_inverse(self, indices: tf.Tensor, runs: Any = None) -> tuple[tf.Tensor, tf.Tensor]:
-        return kernels.unique_inverse(indices, runs)
+        return row_sums.unique_inverse(indices, runs)
 
     def sum_rows(
         self, indices: tf.Tensor, values: tf.Tensor, like: tf.Tensor, runs: Any = None
     ) -> tuple[tf.Tensor, tf.Tensor]:
-        return kernels.sum_rows(indices, values, like, runs, self.add_at)
+        return row_sums.sum_rows(indices, values, like, runs, self.add_at)
 
     # ---- global selection (radix select over fp32 magnitude bits)
     def magnitude_keys(self, values: tf.Tensor) -> tf.Tensor:

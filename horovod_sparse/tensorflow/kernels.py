@@ -3,8 +3,7 @@
 Exact top-k as a mask (:func:`top_k_mask`, the selection kernel), the budget k as a graph
 value while the density decays (:func:`scheduled_budget`), and the
 :class:`~horovod_sparse.common.backend.Cell` in a ``tf.Variable`` (:class:`VariableCell`),
-so a traced step keeps its state, the owner reduction's merge of the ranks' sorted
-runs (:func:`merge_runs`), and the kernels a CPU-only process at one or two threads runs
+so a traced step keeps its state, and the kernels a CPU-only process at one or two threads runs
 in NumPy (:func:`host_kernels`, :func:`on_host`: the candidate pass, the bucket
 gather, the k-th largest key and the dense result, :func:`scatter_on_host`).
 :class:`~horovod_sparse.tensorflow.backend.TFBackend` builds its primitives on them.
@@ -26,7 +25,6 @@ from horovod_sparse.common.host_candidates import (
     local_ranks_from_environment,
     numpy_indices_at_least,
     numpy_kth_largest,
-    numpy_unique_inverse,
     threads_per_rank,
 )
 from horovod_sparse.tensorflow import residual_variable
@@ -42,15 +40,12 @@ __all__ = [
     "host_kernels",
     "host_kth_largest",
     "indices_at_least",
-    "merge_runs",
     "on_host",
     "owner_major",
     "scatter_on_host",
     "scheduled_budget",
     "shifted_key",
-    "sum_rows",
     "top_k_mask",
-    "unique_inverse",
     "zero_then_add",
 ]
 
@@ -327,91 +322,6 @@ def zero_then_add(
 
     finite = tf.reduce_all(tf.math.is_finite(taken))
     return tf.cond(finite, lambda: tf.sparse.add(buffer, entries), in_turn)
-
-
-def unique_inverse(indices: tf.Tensor, runs: Any) -> tuple[tf.Tensor, tf.Tensor]:
-    """``Backend.unique_inverse``: the runs merged where their number is known
-    (:func:`merge_runs`), else ``tf.unique`` and a sort. (NumPy's stable sort, which
-    merges the runs it finds, was no faster: 4.0 ms for a 16M bucket's 182K received
-    indices in 2 runs against 4.7 ms, and not faster in a step.)"""
-    if isinstance(runs, (list, tuple)):  # counts, host ints or scalars
-        runs = tf.stack([tf.cast(count, tf.int64) for count in runs])
-    if runs is not None and runs.shape[0] is not None:
-        return merge_runs(indices, runs)
-    # tf.unique keeps first-seen order; sort the distinct values and remap.
-    distinct, position = tf.unique(indices)
-    order = tf.argsort(distinct)
-    rank_of = tf.math.invert_permutation(order)
-    return tf.gather(distinct, order), tf.cast(tf.gather(rank_of, position), tf.int64)
-
-
-def sum_rows(
-    indices: tf.Tensor,
-    values: tf.Tensor,
-    like: tf.Tensor,
-    runs: Any,
-    add_at: Callable[[tf.Tensor, tf.Tensor, tf.Tensor], tf.Tensor],
-) -> tuple[tf.Tensor, tf.Tensor]:
-    """``Backend.sum_rows``. Where the NumPy kernels serve (:func:`host_kernels`), one
-    call: NumPy's stable sort, which merges the ranks' ascending runs, and ``np.add.at``
-    in row order, the same float adds in the same order as ``SparseAdd``'s. The demo's
-    bucket at P = 2 (two runs of 12K rows, one thread, in a ``tf.function``): 0.58
-    against 0.91 ms for the merge's 20-odd kernels and the add. Elsewhere
-    :func:`unique_inverse` and ``add_at``."""
-    if host_pass_fits(like):
-        inputs = [indices, tf.cast(values, like.dtype)]
-        distinct, sums = on_host(_summed_rows, inputs, [tf.int64, like.dtype])
-        return distinct, sums
-    distinct, position = unique_inverse(indices, runs)
-    zeros = tf.zeros(tf.shape(distinct), like.dtype)
-    return distinct, add_at(zeros, position, values)
-
-
-def _summed_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    distinct, position = numpy_unique_inverse(indices)
-    sums = np.zeros(distinct.size, values.dtype)
-    np.add.at(sums, position, values)
-    return distinct, sums
-
-
-# The merge's sparse shape: above every region-local index (they travel as int32).
-_INDEX_BOUND = 2**31
-
-
-def merge_runs(indices: tf.Tensor, runs: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """``Backend.unique_inverse`` of ``indices`` made of ``len(runs)`` runs of distinct
-    ascending values, without a sort: neighbouring runs are merged pairwise, ``SparseAdd``
-    walking two sorted lists, until one list is left (log2 of the runs rounds).
-
-    Each merge tags its inputs' entries 1 and 2, so an entry of the merged list tells
-    which inputs hold it (3: both), and the tags say where each input's entries went.
-    """
-    # (distinct values, position of each of the group's rows in them), in row order.
-    groups = [
-        (part, tf.range(tf.size(part, out_type=tf.int64), dtype=tf.int64))
-        for part in tf.split(indices, runs, num=int(runs.shape[0]))
-    ]
-    while len(groups) > 1:
-        paired = [_merge(*groups[i : i + 2]) for i in range(0, len(groups) - 1, 2)]
-        groups = paired + groups[len(paired) * 2 :]
-    return groups[0]
-
-
-def _merge(
-    first: tuple[tf.Tensor, tf.Tensor], second: tuple[tf.Tensor, tf.Tensor]
-) -> tuple[tf.Tensor, tf.Tensor]:
-    merged = tf.sparse.add(_tagged(first[0], 1), _tagged(second[0], 2))
-    # SparseAdd drops a sum below its threshold, 0 here: it keeps every tag.
-    tags = merged.values
-    went_first, went_second = tf.where(tags != 2)[:, 0], tf.where(tags >= 2)[:, 0]
-    positions = [tf.gather(went_first, first[1]), tf.gather(went_second, second[1])]
-    return merged.indices[:, 0], tf.concat(positions, 0)
-
-
-def _tagged(indices: tf.Tensor, tag: int) -> tf.SparseTensor:
-    return tf.SparseTensor(
-        tf.reshape(indices, [-1, 1]), tf.fill(tf.shape(indices), tag), [_INDEX_BOUND]
-    )
 
 
 def cut_at(

@@ -1,8 +1,6 @@
-"""PyTorch kernels for the tensor primitives in ``horovod_sparse.common.backend``.
-
-No collective and no Horovod: :class:`~horovod_sparse.torch.backend.TorchBackend` adds
-Horovod's collectives, :class:`~horovod_sparse.torch.distributed.DistributedBackend`
-``torch.distributed``'s.
+"""PyTorch kernels for the tensor primitives in ``horovod_sparse.common.backend``, with no
+collective and no Horovod (:class:`~horovod_sparse.torch.backend.TorchBackend` adds
+Horovod's, :class:`~horovod_sparse.torch.distributed.DistributedBackend` torch's).
 
 Every kernel runs on the tensors' own device. A sparse step with the default threshold
 selection synchronises with the host four times per bucket (counted with
@@ -14,8 +12,7 @@ selection synchronises with the host four times per bucket (counted with
 * :meth:`TorchKernels.split_by_mask` - the all-gather's send size (one sync for both
   parts: the dropped count follows from the kept one).
 
-A dense step has none. Horovod's own GPU-to-host staging is not counted here.
-"""
+A dense step has none (Horovod's own GPU-to-host staging is not counted here)."""
 
 from __future__ import annotations
 
@@ -30,6 +27,7 @@ import torch
 
 from horovod_sparse.common.backend import HorovodPrimitives, HostCell
 from horovod_sparse.common.host_candidates import numpy_kth_largest, numpy_unique_inverse
+from horovod_sparse.common.reduction import sum_rows_in_turn
 from horovod_sparse.torch.candidates import cpu_indices_at_least, numpy_serves
 from horovod_sparse.torch.threads import LocalThreads, local_ranks_from_environment
 
@@ -278,11 +276,7 @@ class TorchKernels(HorovodPrimitives):
         # NumPy's merge took 5.7-6.7 in the same run); parallel above two threads.
         return torch.unique(indices, sorted=True, return_inverse=True)
 
-    def sum_rows(
-        self, indices: torch.Tensor, values: torch.Tensor, like: torch.Tensor, runs: Any = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        distinct, position = self.unique_inverse(indices, runs)
-        return distinct, self.add_at(self.zeros(distinct.shape[0], like), position, values)
+    sum_rows = sum_rows_in_turn  # unique_inverse, then add_at in row order
 
     # ---- global selection (radix select over fp32 magnitude bits)
     def magnitude_keys(self, values: torch.Tensor) -> torch.Tensor:

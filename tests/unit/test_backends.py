@@ -425,18 +425,18 @@ def test_extrapolate_key_finds_the_kth_magnitude_below_the_rows_held(backend, fr
 def test_tf_unique_inverse_merges_known_runs_and_sorts_when_their_number_is_unknown():
     import tensorflow as tf
 
-    from horovod_sparse.tensorflow import kernels
+    from horovod_sparse.tensorflow import row_sums
 
     runs = [np.array([1, 4, 9]), np.array([], dtype=np.int64), np.array([0, 4, 5, 9, 12])]
     indices = np.concatenate(runs).astype(np.int64)
     lengths = np.array([len(run) for run in runs], dtype=np.int32)
     expected_distinct, expected_position = np.unique(indices, return_inverse=True)
     unknown = tf.function(
-        kernels.unique_inverse,
+        row_sums.unique_inverse,
         input_signature=[tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int32)],
     )
     for distinct, position in (
-        kernels.unique_inverse(tf.constant(indices), tf.constant(lengths)),
+        row_sums.unique_inverse(tf.constant(indices), tf.constant(lengths)),
         unknown(tf.constant(indices), tf.constant(lengths)),
     ):
         np.testing.assert_array_equal(distinct.numpy(), expected_distinct)

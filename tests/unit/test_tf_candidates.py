@@ -15,6 +15,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf
 
 import horovod_sparse.tensorflow.kernels as kernels
+import horovod_sparse.tensorflow.row_sums as row_sums
 from horovod_sparse.common.host_candidates import CANDIDATE_CHUNK
 from horovod_sparse.tensorflow.backend import TFBackend
 
@@ -107,11 +108,11 @@ def test_both_merges_give_the_distinct_indices_and_each_rows_position(lengths):
     indices = np.concatenate(runs).astype(np.int64)
     expected_distinct, expected_position = np.unique(indices, return_inverse=True)
     known = tf.constant(np.array(lengths, dtype=np.int32))
-    traced = tf.function(kernels.unique_inverse)
+    traced = tf.function(row_sums.unique_inverse)
     for distinct, position in (
-        kernels.unique_inverse(tf.constant(indices), known),
+        row_sums.unique_inverse(tf.constant(indices), known),
         traced(tf.constant(indices), known),
-        kernels.unique_inverse(tf.constant(indices), None),
+        row_sums.unique_inverse(tf.constant(indices), None),
     ):
         assert (distinct.dtype, position.dtype) == (tf.int64, tf.int64)
         np.testing.assert_array_equal(distinct.numpy(), expected_distinct)
@@ -138,7 +139,7 @@ def test_both_row_sums_add_each_index_in_row_order(monkeypatch, host_pass, dtype
     known = tf.constant(np.array(lengths, dtype=np.int64))
 
     def summed(i: tf.Tensor, v: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        return kernels.sum_rows(i, v, like, known, TFBackend().add_at)
+        return row_sums.sum_rows(i, v, like, known, TFBackend().add_at)
 
     traced = tf.function(summed)
     for distinct, sums in (
