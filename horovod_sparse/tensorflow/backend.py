@@ -285,7 +285,7 @@ class TFBackend(HorovodPrimitives):
     def sum_rows(
         self, indices: tf.Tensor, values: tf.Tensor, like: tf.Tensor, runs: Any = None
     ) -> tuple[tf.Tensor, tf.Tensor]:
-        return row_sums.sum_rows(indices, values, like, runs, self.add_at)
+        return row_sums.sum_rows(self, indices, values, like, runs)
 
     # ---- global selection (radix select over fp32 magnitude bits)
     def magnitude_keys(self, values: tf.Tensor) -> tf.Tensor:

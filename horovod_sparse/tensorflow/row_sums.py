@@ -5,12 +5,14 @@ ascending runs with ``SparseAdd`` (:func:`merge_runs`) and adding at their posit
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from horovod_sparse.common.backend import Backend
 from horovod_sparse.common.host_candidates import numpy_unique_inverse
+from horovod_sparse.common.reduction import sum_rows_in_turn
 from horovod_sparse.tensorflow.kernels import host_pass_fits, on_host
 
 __all__ = ["merge_runs", "sum_rows", "unique_inverse"]
@@ -18,9 +20,8 @@ __all__ = ["merge_runs", "sum_rows", "unique_inverse"]
 
 def unique_inverse(indices: tf.Tensor, runs: Any) -> tuple[tf.Tensor, tf.Tensor]:
     """``Backend.unique_inverse``: the runs merged where their number is known
-    (:func:`merge_runs`), else ``tf.unique`` and a sort. (NumPy's stable sort, which
-    merges the runs it finds, was no faster: 4.0 ms for a 16M bucket's 182K received
-    indices in 2 runs against 4.7 ms, and not faster in a step.)"""
+    (:func:`merge_runs`), else ``tf.unique`` and a sort. The owner's row sums take it
+    where the NumPy kernels do not serve (:func:`sum_rows`)."""
     if isinstance(runs, (list, tuple)):  # counts, host ints or scalars
         runs = tf.stack([tf.cast(count, tf.int64) for count in runs])
     if runs is not None and runs.shape[0] is not None:
@@ -33,25 +34,19 @@ def unique_inverse(indices: tf.Tensor, runs: Any) -> tuple[tf.Tensor, tf.Tensor]
 
 
 def sum_rows(
-    indices: tf.Tensor,
-    values: tf.Tensor,
-    like: tf.Tensor,
-    runs: Any,
-    add_at: Callable[[tf.Tensor, tf.Tensor, tf.Tensor], tf.Tensor],
+    ops: Backend, indices: tf.Tensor, values: tf.Tensor, like: tf.Tensor, runs: Any
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """``Backend.sum_rows``. Where the NumPy kernels serve (:func:`host_kernels`), one
     call: NumPy's stable sort, which merges the ranks' ascending runs, and ``np.add.at``
     in row order, the same float adds in the same order as ``SparseAdd``'s. The demo's
     bucket at P = 2 (two runs of 12K rows, one thread, in a ``tf.function``): 0.58
-    against 0.91 ms for the merge's 20-odd kernels and the add. Elsewhere
-    :func:`unique_inverse` and ``add_at``."""
-    if host_pass_fits(like):
-        inputs = [indices, tf.cast(values, like.dtype)]
-        distinct, sums = on_host(_summed_rows, inputs, [tf.int64, like.dtype])
-        return distinct, sums
-    distinct, position = unique_inverse(indices, runs)
-    zeros = tf.zeros(tf.shape(distinct), like.dtype)
-    return distinct, add_at(zeros, position, values)
+    against 0.91 ms for the merge's 20-odd kernels and the add. Elsewhere the shared
+    two kernels (``sum_rows_in_turn``: :func:`unique_inverse`, then ``ops.add_at``)."""
+    if not host_pass_fits(like):
+        return sum_rows_in_turn(ops, indices, values, like, runs)
+    inputs = [indices, tf.cast(values, like.dtype)]
+    distinct, sums = on_host(_summed_rows, inputs, [tf.int64, like.dtype])
+    return distinct, sums
 
 
 def _summed_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
