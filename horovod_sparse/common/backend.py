@@ -19,10 +19,12 @@ depend on such state go through :meth:`Backend.cond`: a Python ``if`` on a host 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from horovod_sparse.common.horovod_primitives import HorovodPrimitives
 from horovod_sparse.common.host_counts import HostCounts, host_at_least
+from horovod_sparse.common.host_scalars import HostCell
 
 if TYPE_CHECKING:
     from horovod_sparse.common.config import SparseConfig
@@ -45,55 +47,6 @@ class Cell(Protocol):
 
     def get(self) -> Any: ...
     def set(self, value: Any) -> None: ...
-
-
-class HostCell:
-    """A :class:`Cell` held by Python: right wherever every step runs the Python code."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def get(self) -> Any:
-        return self.value
-
-    def set(self, value: Any) -> None:
-        self.value = value
-
-
-class HorovodPrimitives(HostCounts):
-    """The primitives of :class:`Backend` that are the same in every framework, because
-    Horovod's objects answer them: a ``ProcessSet``'s rank and size, and a
-    ``Compression`` class's codec. Backends inherit them and set :attr:`no_compression`
-    to their framework's ``hvd.Compression.none``. The host budget arithmetic of
-    :class:`HostCounts` comes with them."""
-
-    no_compression: Any = None
-
-    def local_work(self) -> AbstractContextManager[None]:
-        """No thread sizing: the framework's own (see :meth:`Backend.local_work`)."""
-        return nullcontext()
-
-    def rank(self, process_set: Any) -> int:
-        return int(process_set.rank())
-
-    def size(self, process_set: Any) -> int:
-        return int(process_set.size())
-
-    def compress(self, values: Tensor, compression: Any) -> tuple[Tensor, Any, Any]:
-        """``(wire values, context, rounding lost or None)``: a lossy wire dtype
-        (Horovod's fp16) loses a rounding that the caller keeps in the residual."""
-        if compression is None or compression is self.no_compression:
-            return values, None, None
-        wire, ctx = compression.compress(values)
-        if wire.dtype == values.dtype:
-            return wire, (compression, ctx), None
-        return wire, (compression, ctx), values - compression.decompress(wire, ctx)
-
-    def decompress(self, wire: Tensor, ctx: Any) -> Tensor:
-        if ctx is None:
-            return wire
-        compression, inner = ctx
-        return compression.decompress(wire, inner)
 
 
 class Backend(Protocol):
@@ -126,6 +79,19 @@ class Backend(Protocol):
 
     def cond(self, pred: Any, then: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
         """``then()`` if ``pred`` else ``otherwise()``; both return the same structure."""
+
+    def update_cells(
+        self,
+        update: Callable[[Any, Sequence[Cell], Sequence[Any]], None],
+        cells: Sequence[Cell],
+        inputs: Sequence[Any],
+        unread: Sequence[Cell] = (),
+    ) -> None:
+        """``update(ops, [*cells, *unread], inputs)``: with this backend for ``ops``, or,
+        where the update's scalar arithmetic costs more as kernels than as one host call
+        (TF with the NumPy kernels), once on the host: ``HOST_SCALARS`` for ``ops``, the
+        cells' values and the tensor inputs as NumPy arrays, every cell written back
+        after. ``unread``: cells the update sets without reading them first (not read)."""
 
     def select(self, pred: Any, then: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
         """:meth:`cond` for a scalar whose two values are cheap and free of collectives:

@@ -12,6 +12,7 @@ gather, the k-th largest key and the dense result, :func:`scatter_on_host`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import numpy as np
@@ -27,6 +28,7 @@ from horovod_sparse.common.host_candidates import (
     numpy_kth_largest,
     threads_per_rank,
 )
+from horovod_sparse.common.host_scalars import HOST_SCALARS, HostCell
 from horovod_sparse.tensorflow import residual_variable
 
 __all__ = [
@@ -45,7 +47,9 @@ __all__ = [
     "scatter_on_host",
     "scheduled_budget",
     "shifted_key",
+    "split_by_mask",
     "top_k_mask",
+    "update_cells_on_host",
     "zero_then_add",
 ]
 
@@ -142,6 +146,53 @@ def host_kth_largest(keys: tf.Tensor, k: Any) -> tf.Tensor:
 
 def _kth_largest(keys: np.ndarray, k: np.ndarray) -> tuple[np.ndarray]:
     return (numpy_kth_largest(keys, int(k)).reshape(1),)
+
+
+def update_cells_on_host(
+    update: Callable[[Any, Sequence[Any], Sequence[Any]], None],
+    cells: Sequence[VariableCell],
+    inputs: Sequence[Any],
+    unread: Sequence[VariableCell] = (),
+) -> bool:
+    """``Backend.update_cells`` as one host call, where the NumPy kernels serve every
+    float input (:func:`host_pass_fits`); False, having done nothing, where they do not.
+    Eagerly on the values; in a trace one ``tf.numpy_function`` between the cells'
+    reads and their assigns."""
+    floats = [x for x in inputs if tf.is_tensor(x) and x.dtype.is_floating]
+    if not host_kernels() or not all(host_pass_fits(x) for x in floats):
+        return False
+    places = [place for place, x in enumerate(inputs) if tf.is_tensor(x)]
+    written = [*cells, *unread]
+    dtypes = [tf.as_dtype(cell.variable.dtype) for cell in written]  # Keras: a name
+
+    def call(*arrays: np.ndarray) -> list[np.ndarray]:
+        held = [HostCell(value) for value in arrays[: len(cells)]]
+        held += [HostCell(None) for _ in unread]
+        given = list(inputs)  # host values as they are, tensors as their arrays
+        for place, array in zip(places, arrays[len(cells) :]):
+            given[place] = array
+        update(HOST_SCALARS, held, given)
+        return [np.asarray(cell.get(), dtype.as_numpy_dtype) for cell, dtype in zip(held, dtypes)]
+
+    values = [cell.get() for cell in cells] + [inputs[place] for place in places]
+    if tf.executing_eagerly():
+        results: list[Any] = call(*(np.asarray(value) for value in values))
+    else:
+        results = tf.numpy_function(call, values, dtypes, stateful=False)
+        for result in results:
+            result.set_shape([])
+    for cell, result in zip(written, results):
+        cell.set(result)
+    return True
+
+
+def split_by_mask(mask: tf.Tensor, *tensors: tf.Tensor) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+    """``Backend.split_by_mask``: one partition a tensor, not two boolean masks (an
+    index and a value tensor of 336K rows, CPU, one thread: 1.6 against 8.6 ms eagerly,
+    0.9 against 2.3-3.0 traced)."""
+    partitions = tf.cast(mask, tf.int32)
+    parts = [tf.dynamic_partition(t, partitions, 2) for t in tensors]
+    return [part[1] for part in parts], [part[0] for part in parts]
 
 
 def top_k_mask(magnitudes: tf.Tensor, k: Any) -> tf.Tensor:

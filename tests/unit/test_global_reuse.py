@@ -10,7 +10,7 @@ from horovod_sparse.common.global_selection import (
     grouped_threshold_keys,
 )
 from horovod_sparse.common.pipeline import BucketReducer
-from tests.unit.test_backends import BACKENDS, OneRank, _torch_backend
+from tests.unit.test_backends import BACKENDS, OneRank, _tf_backend, _torch_backend
 
 
 def key_of(value: float) -> int:
@@ -279,3 +279,52 @@ def test_a_shifted_key_is_the_clamped_sum_without_wrapping(framework):
     assert shifted(-8, 5, -top, 0) == -3
     assert shifted(-8, 9, -top, 0) == 0
     assert shifted(1000, -1, 0, top) == 999
+
+
+def _observed_states(ops, to, dtype, traced=False):
+    """The reused threshold's state after each of a run of observes (both owners' caps
+    kept, P = 2 as rank 1): gathered counts above, at and below k, one row, a refresh."""
+    rng = np.random.default_rng(11)
+    reuse = ReusedGlobalThreshold(refresh_steps=5)
+    keys = ops.magnitude_keys(to(rng.standard_normal(64).astype(np.float32)))
+    exact = lambda: global_threshold_key(ops, keys, 16, "t", OneRank())  # noqa: E731
+    observe = reuse.observe
+    if traced:
+        import tensorflow as tf
+
+        observe = tf.function(lambda *args: reuse.observe(ops, *args, rank=1))
+    states = []
+    for count, k, own, refresh in [
+        (20, 16, 12, True), (16, 16, 3, False), (9, 16, 9, False), (3, 16, 0, False),
+        (1, 16, 1, False), (30, 24, 25, False), (12, 24, 6, True), (2, 24, 1, False),
+    ]:  # fmt: skip
+        if states:
+            reuse.due = refresh
+        reuse.threshold(ops, keys, k, exact)
+        gathered = to((rng.standard_normal(count) * 2.0 ** rng.integers(-8, 8)).astype(dtype))
+        if traced:
+            observe(gathered, k, own)
+        else:
+            observe(ops, gathered, k, own, rank=1)
+        states.append(reuse.state_dict(ops))
+    return states
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_tfs_one_host_call_derives_the_state_its_kernels_and_torchs_derive(dtype):
+    """Under TF with the NumPy kernels, ``observe`` is one host call (``update_cells``);
+    eagerly and traced it derives the very state that TF's own kernels and torch's do,
+    key, drift, miss, caps and due flag alike, step after step."""
+    from horovod_sparse.common.horovod_primitives import HorovodPrimitives
+    from horovod_sparse.tensorflow import kernels
+
+    assert kernels.host_kernels(), "the unit tests run where the NumPy kernels serve"
+    tf_ops, tf_to, _ = _tf_backend()
+    torch_ops, torch_to, _ = _torch_backend()
+    in_kernels = type("InKernels", (type(tf_ops),), {"update_cells": HorovodPrimitives.update_cells})
+    reference = _observed_states(torch_ops, torch_to, dtype)
+    assert {state["due"] for state in reference} == {True, False}
+    assert len({state["drift"] for state in reference}) > 1  # the drift learned
+    assert _observed_states(in_kernels(), tf_to, dtype) == reference
+    assert _observed_states(tf_ops, tf_to, dtype) == reference
+    assert _observed_states(tf_ops, tf_to, dtype, traced=True) == reference
