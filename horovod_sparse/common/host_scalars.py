@@ -51,7 +51,8 @@ class HostScalars(HostCounts):
         return np.int64(values.shape[0])
 
     def magnitude_keys(self, values: np.ndarray) -> np.ndarray:
-        return np.abs(values).astype(np.float32).view(np.int32)
+        keys: np.ndarray = np.abs(values).astype(np.float32).view(np.int32)
+        return keys
 
     def kth_largest(self, values: np.ndarray, k: Any) -> np.ndarray:
         return numpy_kth_largest(values, int(k))

@@ -321,7 +321,9 @@ def test_tfs_one_host_call_derives_the_state_its_kernels_and_torchs_derive(dtype
     assert kernels.host_kernels(), "the unit tests run where the NumPy kernels serve"
     tf_ops, tf_to, _ = _tf_backend()
     torch_ops, torch_to, _ = _torch_backend()
-    in_kernels = type("InKernels", (type(tf_ops),), {"update_cells": HorovodPrimitives.update_cells})
+    in_kernels = type(
+        "InKernels", (type(tf_ops),), {"update_cells": HorovodPrimitives.update_cells}
+    )
     reference = _observed_states(torch_ops, torch_to, dtype)
     assert {state["due"] for state in reference} == {True, False}
     assert len({state["drift"] for state in reference}) > 1  # the drift learned
