@@ -62,6 +62,10 @@ class Backend(Protocol):
     """
 
     in_place: bool  # whether the kernels above write into their first argument
+    # Whether a P = 2 all-gather pads each rank's rows to a capacity fixed while the budget
+    # is (docs/design.md §2.2): its shape then repeats, and Horovod's response cache
+    # serves it instead of a negotiation.
+    pads_gathered_rows: bool
 
     # ---- process set
     def rank(self, process_set: Any) -> int: ...
@@ -249,6 +253,13 @@ class Backend(Protocol):
 
     def unpack_rows(self, rows: Tensor, wire_like: Tensor) -> tuple[Tensor, Tensor]:
         """Inverse of :meth:`pack_rows`: ``(int64 indices, values in wire_like's dtype)``."""
+
+    def pad_rows(self, rows: Tensor, capacity: Any) -> Tensor:
+        """``rows`` followed by padding rows up to ``capacity`` rows (none where there are
+        that many already): all bytes 0xFF, so each unpacks to index -1."""
+
+    def unpadded(self, indices: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """The unpacked rows less the padding rows (index -1) :meth:`pad_rows` added."""
 
     def unique_inverse(self, indices: Tensor, runs: Any = None) -> tuple[Tensor, Tensor]:
         """``(distinct values ascending, position of each input in them)``. ``runs``:

@@ -100,6 +100,8 @@ class JoinedExchange:
         self._kept_rows: dict[int, Any] = {}  # rows a member hands to the allgather
         self._summed: list[tuple[Tensor, Tensor, Any]] | None = None
         self._own_histogram: Tensor = None  # this rank's allgather rows per member (P = 2)
+        self._capacity: dict[int, Any] = {}  # a member's padded rows (P = 2), or None
+        self._padded = False  # whether the allgather's rows were padded
 
     def _base(self, member: SparseBucket) -> int:
         return self._position[id(member)] * self.stride
@@ -157,12 +159,16 @@ class JoinedExchange:
             self._owned = [(idx, part_sums, n) for (idx, part_sums), n in zip(parts, counts)]
         return self._owned[self._position[id(member)]]
 
-    def send_gather(self, member: SparseBucket, bucket_indices: Tensor, wire: Tensor) -> JoinedPart:
-        """Hand in ``member``'s globally kept rows; the last launches the allgather."""
+    def send_gather(
+        self, member: SparseBucket, bucket_indices: Tensor, wire: Tensor, capacity: Any = None
+    ) -> JoinedPart:
+        """Hand in ``member``'s globally kept rows (at P = 2 its selected rows, and the
+        rows it pads them to, or None); the last launches the allgather."""
         position = self._position[id(member)]
         ops = self.ops
         self._kept[position] = ops.pack_rows(bucket_indices, -self._base(member), wire)
         self._kept_rows[position] = ops.num_rows(bucket_indices)
+        self._capacity[position] = capacity
         if member.world_size == 2 and member.config.gather_selections:  # read by summed()
             joined_indices = ops.shift(bucket_indices, self._base(member))
             mine = ops.position_histogram(joined_indices, self.edges[-1], len(self.members))
@@ -178,6 +184,10 @@ class JoinedExchange:
         if self._gather_waits or self.gather_handle is not None or not self._kept:
             return
         rows = self.ops.concat([self._kept[m] for m in sorted(self._kept)])
+        capacities = [self._capacity[m] for m in sorted(self._kept)]
+        self._padded = all(capacity is not None for capacity in capacities)
+        if self._padded:  # the members' padding, at the end of this rank's rows
+            rows = self.ops.pad_rows(rows, sum(capacities))
         self._kept = {}
         self.gather_handle = self.ops.allgather_async(rows, f"{self.name}.ag", self.process_set)
 
@@ -201,6 +211,8 @@ class JoinedExchange:
             self._check_launched(self.gather_handle, self._gather_waits, "all-gather")
             ops = self.ops
             indices, wire_values = ops.unpack_rows(ops.wait(self.gather_handle), self._wire_like)
+            if self._padded:
+                indices, wire_values = ops.unpadded(indices, wire_values)
             # Each rank's rows ascend (member by member, each at its base): two runs,
             # in rank order, merged rather than sorted.
             own = sum(self._kept_rows.values())

@@ -42,13 +42,24 @@ class PairStages(SparseBucket):
         """Whether this bucket's sparse steps take the P = 2 path."""
         return self.world_size == 2 and bool(self.config.gather_selections)
 
-    def send_to_both(self, indices: Tensor, wire: Tensor) -> ReduceScatterSent:
-        """Launch the all-gather of this rank's selected rows (or hand them to the
-        step's joined all-gather); no splits."""
+    def gathered_capacity(self) -> Any:
+        """The rows each rank's all-gather carries for this bucket, padding included: the
+        most the selection returns for this budget, so the collective's shape repeats
+        while the budget does (``Backend.pads_gathered_rows``); None where unpadded."""
+        if not self.ops.pads_gathered_rows:
+            return None
+        return self.selection.most_rows(self.ops, self.k)
+
+    def send_to_both(self, indices: Tensor, wire: Tensor, capacity: Any) -> ReduceScatterSent:
+        """Launch the all-gather of this rank's selected rows, padded to ``capacity``
+        unless it is None (or hand them to the step's joined all-gather); no splits."""
         ops = self.ops
         if self.joined is not None:
-            return ReduceScatterSent(self.joined.send_gather(self, indices, wire), None)
+            part = self.joined.send_gather(self, indices, wire, capacity)
+            return ReduceScatterSent(part, None)
         rows = ops.pack_rows(indices, 0, wire)
+        if capacity is not None:
+            rows = ops.pad_rows(rows, capacity)
         handle = ops.allgather_async(rows, f"{self.name}.selected", self.process_set)
         return ReduceScatterSent(handle, None)
 
@@ -63,6 +74,8 @@ class PairStages(SparseBucket):
             distinct, sums, received = handle.summed(self.residual, decode)
         else:
             indices, wire_values = ops.unpack_rows(ops.wait(handle), inflight.wire_like)
+            if ops.pads_gathered_rows:
+                indices, wire_values = ops.unpadded(indices, wire_values)
             # Each rank's rows ascend: two runs, in rank order, merged rather than sorted.
             own = self.last_record.rows_sent
             received = ops.num_rows(indices) - own

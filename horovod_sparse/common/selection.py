@@ -22,6 +22,9 @@ class LocalSelection(Protocol):
     def select(self, ops: Backend, accumulator: Tensor, k: Any) -> Tensor:
         """``k``: a host int, or a graph scalar below n (see ``Backend.sparse_budget``)."""
 
+    def most_rows(self, ops: Backend, k: Any) -> Any:
+        """The most indices :meth:`select` returns for budget ``k``, whatever the values."""
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to continue the same selections."""
 
@@ -40,6 +43,9 @@ class ExactSelection:
 
     def select(self, ops: Backend, accumulator: Tensor, k: Any) -> Tensor:
         return ops.topk_indices(accumulator, k)
+
+    def most_rows(self, ops: Backend, k: Any) -> Any:
+        return k
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -119,6 +125,10 @@ class ThresholdSelection:
         rank_in_sample = ops.scaled_count(k, sample, numel, "round", least=1, most=sample)
         magnitudes = ops.strided_sample_abs(accumulator, sample, offset=calls)
         return ops.kth_largest(magnitudes, rank_in_sample)
+
+    def most_rows(self, ops: Backend, k: Any) -> Any:
+        # Step 3 trims any count above the band to k; k itself is within it.
+        return ops.scaled_count(k, self.band[1], rounding="floor")
 
     def select(self, ops: Backend, accumulator: Tensor, k: Any) -> Tensor:
         numel = ops.length(accumulator)

@@ -222,8 +222,11 @@ class SparseBucket:
             refreshed = int(record.refreshed)
             hist_sent, hist_received = histogram_bytes(self.world_size)
             hist_sent, hist_received = hist_sent * refreshed, hist_received * refreshed
-            sent += int(record.rows_sent) * record.row_bytes + ag_sent + hist_sent
-            received += int(record.rows_received) * record.row_bytes + ag_received + hist_received
+            rows_out, rows_in = int(record.rows_sent), int(record.rows_received)
+            if int(record.padded_rows):  # the padding travels too
+                rows_out = rows_in = int(record.padded_rows)
+            sent += rows_out * record.row_bytes + ag_sent + hist_sent
+            received += rows_in * record.row_bytes + ag_received + hist_received
         return StepStats(
             bytes_sent=sent,
             bytes_received=received,

@@ -63,9 +63,12 @@ class SparseStages(PairStages):
         # moves them after an all-gather: see finish_sparse()).
         # Step 5: Spar-Reduce-Scatter, alone or in the step's joined alltoall; at P = 2
         # the selection to both ranks instead (pair_stages.py).
+        padded_rows: Any = 0
         if self.pairs:
-            sent = self.send_to_both(indices, wire)
+            capacity = self.gathered_capacity()
+            sent = self.send_to_both(indices, wire, capacity)
             rows_sent = ops.num_rows(indices)
+            padded_rows = 0 if capacity is None else capacity
         else:
             if self.joined is not None:
                 sent = self.joined.send_scatter(self, indices, wire)
@@ -80,6 +83,7 @@ class SparseStages(PairStages):
             seconds_exchange=ops.clock() - selected,
             send_splits=sent.send_splits,
             rows_sent=rows_sent,
+            padded_rows=padded_rows,
             row_bytes=row_bytes(ops.itemsize(wire)),
         )
         return ScatterInFlight(sent, wire, ctx, to_everyone=self.pairs)

@@ -55,6 +55,9 @@ class StepRecord:
     recv_splits: Any = None  # alltoall rows per source rank
     row_bytes: int = 0  # alltoall row width, fixed by the dtypes
     gather_row_bytes: int = 0  # all-gather row width
+    # P = 2 in one all-gather, padded (pair_stages.py): the rows each rank sends and
+    # receives, padding included, in place of rows_sent and rows_received; else 0.
+    padded_rows: Any = 0
 
     # The figures a traced step stores in a variable, in this order (see numbers()).
     NUMBERS: ClassVar[tuple[str, ...]] = (
@@ -68,6 +71,7 @@ class StepRecord:
         "seconds_exchange",
         "extra_bytes",
         "refreshed",
+        "padded_rows",
     )
 
     @classmethod

@@ -37,8 +37,9 @@ def _rows(indices: tf.Tensor) -> tf.Tensor:
     return tf.cast(indices, tf.int64)[:, None]
 
 
-class TFBackend(HorovodPrimitives):
-    """Stateless; one shared instance serves every bucket."""
+class TFBackend(wire_rows.WireRows, HorovodPrimitives):
+    """Stateless; one shared instance serves every bucket (the wire rows' primitives:
+    :mod:`.wire_rows`)."""
 
     no_compression = hvd.Compression.none
     in_place = False  # tensors are immutable: every kernel returns a new one
@@ -278,12 +279,6 @@ class TFBackend(HorovodPrimitives):
             return tf.zeros_like(sorted_indices)
         region = tf.searchsorted(edges[1:-1], sorted_indices, side="right")
         return tf.gather(edges, region)
-
-    def pack_rows(self, indices: tf.Tensor, offset: Any, values: tf.Tensor) -> tf.Tensor:
-        return wire_rows.pack_rows(indices, offset, values)
-
-    def unpack_rows(self, rows: tf.Tensor, wire_like: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        return wire_rows.unpack_rows(rows, wire_like)
 
     def unique_inverse(self, indices: tf.Tensor, runs: Any = None) -> tuple[tf.Tensor, tf.Tensor]:
         return row_sums.unique_inverse(indices, runs)

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from horovod_sparse.tensorflow.kernels import host_pass_fits, on_host
+from horovod_sparse.tensorflow.kernels import host_pass_fits, on_host, split_by_mask
 
-__all__ = ["pack_rows", "unpack_rows"]
+__all__ = ["WireRows", "pack_rows", "unpack_rows"]
 
 _INDEX_BYTES = 4
 
@@ -52,3 +52,26 @@ def unpack_rows(rows: tf.Tensor, wire_like: tf.Tensor) -> tuple[tf.Tensor, tf.Te
     indices = tf.cast(tf.bitcast(rows[:, :_INDEX_BYTES], tf.int32), tf.int64)
     values = tf.bitcast(rows[:, _INDEX_BYTES:], wire_like.dtype)
     return indices, tf.reshape(values, [-1])
+
+
+class WireRows:
+    """The TF backend's wire-row primitives (``Backend.pack_rows`` and the rest)."""
+
+    # A TF all-gather whose shape changes from step to step negotiates again: the demo's
+    # traced step at P = 2 measured 1.10-1.12x dense's with the rows padded, against
+    # 1.22-1.25x without (docs/benchmarks.md, "Fixed shapes at P = 2").
+    pads_gathered_rows = True
+
+    def pack_rows(self, indices: tf.Tensor, offset: Any, values: tf.Tensor) -> tf.Tensor:
+        return pack_rows(indices, offset, values)
+
+    def unpack_rows(self, rows: tf.Tensor, wire_like: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        return unpack_rows(rows, wire_like)
+
+    def pad_rows(self, rows: tf.Tensor, capacity: Any) -> tf.Tensor:
+        missing = tf.maximum(tf.cast(capacity, tf.int32) - tf.shape(rows)[0], 0)
+        return tf.pad(rows, [[0, missing], [0, 0]], constant_values=255)
+
+    def unpadded(self, indices: tf.Tensor, values: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        (kept_indices, kept_values), _ = split_by_mask(indices >= 0, indices, values)
+        return kept_indices, kept_values

@@ -19,6 +19,7 @@ import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 
 from horovod_sparse.torch.kernels import TorchKernels  # noqa: E402
+from horovod_sparse.torch.row_padding import RowPadding  # noqa: E402
 from horovod_sparse.torch.threads import LocalThreads, local_ranks_from_environment  # noqa: E402
 
 __all__ = ["TorchBackend"]
@@ -53,7 +54,7 @@ class _Pending:
     kind: str  # "alltoall" | "plain"
 
 
-class TorchBackend(TorchKernels):
+class TorchBackend(RowPadding, TorchKernels):
     """Stateless; one shared instance serves every bucket."""
 
     no_compression = hvd.Compression.none

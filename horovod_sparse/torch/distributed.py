@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from horovod_sparse.torch.kernels import TorchKernels
+from horovod_sparse.torch.row_padding import RowPadding
 
 __all__ = ["DistributedBackend", "FP16Values"]
 
@@ -57,7 +58,7 @@ class FP16Values:
         return tensor if dtype is None else tensor.to(dtype)
 
 
-class DistributedBackend(TorchKernels):
+class DistributedBackend(RowPadding, TorchKernels):
     """Stateless; one shared instance serves every bucket of every process group.
     Value compression: None, or an object with ``compress``/``decompress`` such as
     :class:`FP16Values`."""
