@@ -63,6 +63,8 @@ class DistributedBackend(RowPadding, TorchKernels):
     Value compression: None, or an object with ``compress``/``decompress`` such as
     :class:`FP16Values`."""
 
+    pads_gathered_rows = False  # no response cache to serve a shape that repeats
+
     def rank(self, process_set: Any) -> int:
         return int(dist.get_rank(process_set))
 

@@ -1,5 +1,6 @@
 """The padding of wire rows (``Backend.pad_rows``, ``Backend.unpadded``) under PyTorch,
-for the Horovod and the ``torch.distributed`` backends alike."""
+for the Horovod and the ``torch.distributed`` backends alike (the latter does not pad:
+``torch.distributed`` has no response cache to serve a repeated shape)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ __all__ = ["RowPadding"]
 class RowPadding:
     """Pads rows with all-0xFF rows (index -1) and drops them again."""
 
-    # Not measured under torch: its P = 2 all-gather keeps each step's own row count.
-    pads_gathered_rows = False
+    # Horovod's torch all-gather negotiates again when its shape changes: the demo's step
+    # at P = 2 measured 0.99-1.00x dense's with the rows padded, against 1.07-1.08x without
+    # (docs/benchmarks.md, "Fixed shapes at P = 2").
+    pads_gathered_rows = True
 
     def pad_rows(self, rows: torch.Tensor, capacity: Any) -> torch.Tensor:
         missing = max(int(capacity) - rows.shape[0], 0)  # host ints: no device read

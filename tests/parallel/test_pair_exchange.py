@@ -4,6 +4,8 @@ for bit as the two collectives. At other world sizes ``gather_selections`` chang
 nothing. (One collective a reused step, and no mass lost: the counting tests of
 test_joined_exchange_torch.py and test_global_reuse_torch.py, at every size.)"""
 
+import math
+
 import horovod.torch as hvd
 import pytest
 import torch
@@ -87,3 +89,45 @@ def test_functional_sparse_allreduce_is_the_same_either_way():
         ]
         assert torch.equal(results[0], results[1]), step
     assert torch.equal(hvds.residual("pair.fn.True"), hvds.residual("pair.fn.False"))
+
+
+def test_the_pair_all_gather_has_one_shape_and_counts_its_padding(monkeypatch):
+    """At P = 2 each rank's rows are padded to the most the selection returns
+    (floor(1.25 k)), so Horovod's all-gather sees one shape on every step, reused or
+    refreshed; the padding never reaches the sums (the results equal the two-collective
+    step's bit for bit, and the residual conserves the mass) and its bytes are counted."""
+    if hvd.size() != 2:
+        pytest.skip("the one all-gather of both selections runs at P = 2 only")
+    numel, density = 40_000, 0.01
+    capacity = int(1.25 * math.ceil(density * numel))  # 500 rows
+    shapes: list[int] = []
+    allgather_async = hvd.allgather_async
+
+    def recording(tensor, *args, **kwargs):
+        if kwargs["name"].endswith(".selected"):
+            shapes.append(int(tensor.shape[0]))
+        return allgather_async(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(hvd, "allgather_async", recording)
+    generator = torch.Generator().manual_seed(11 + hvd.rank())
+    refreshes = []
+    for step in range(10):
+        # Growing for a while, then fresh: capped reused steps and refreshes both run.
+        grad = torch.randn(numel, generator=generator) * (1.0 + 0.3 * (step % 5))
+        before = hvds.residual("pair.padded.True").clone() if step else torch.zeros(numel)
+        ours = hvds.sparse_allreduce(grad, density, name="pair.padded.True")
+        theirs = hvds.sparse_allreduce(
+            grad, density, name="pair.padded.False", gather_selections=False
+        )
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=f"step {step}")
+        # Mass: summed over both ranks, what each held plus its gradient is what it still
+        # holds plus the sum (op=Average: twice the result).
+        held = before + grad - hvds.residual("pair.padded.True")
+        total = hvd.allreduce(held.sum().reshape(1), op=hvd.Sum)
+        torch.testing.assert_close(total, 2.0 * ours.sum().reshape(1), rtol=1e-4, atol=1e-3)
+        stats = hvds.stats("pair.padded.True")
+        refreshes.append(stats.global_refreshes)
+        if not stats.global_refreshes:  # a reused step: the all-gather's bytes alone
+            assert stats.bytes_sent == stats.bytes_received == capacity * 8, stats
+    assert len(shapes) == 10 and set(shapes) == {capacity}, shapes
+    assert 0 < sum(refreshes) < len(refreshes), refreshes
