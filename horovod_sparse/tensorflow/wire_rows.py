@@ -58,8 +58,8 @@ class WireRows:
     """The TF backend's wire-row primitives (``Backend.pack_rows`` and the rest)."""
 
     # A TF all-gather whose shape changes from step to step negotiates again: the demo's
-    # traced step at P = 2 measured 1.10-1.12x dense's with the rows padded, against
-    # 1.22-1.25x without (docs/benchmarks.md, "Fixed shapes at P = 2").
+    # traced step at P = 2 measured 1.08-1.16x dense's with the rows padded, against
+    # 1.21-1.24x without (docs/benchmarks.md, "Fixed shapes at P = 2").
     pads_gathered_rows = True
 
     def pack_rows(self, indices: tf.Tensor, offset: Any, values: tf.Tensor) -> tf.Tensor:
