@@ -95,9 +95,9 @@ def test_the_pair_all_gather_has_one_shape_and_counts_its_padding(monkeypatch):
     """At P = 2 each rank's rows are padded to the most the selection returns
     (floor(1.25 k)), so Horovod's all-gather sees one shape on every step, reused or
     refreshed; the padding never reaches the sums (the results equal the two-collective
-    step's bit for bit, and the residual conserves the mass) and its bytes are counted."""
-    if hvd.size() != 2:
-        pytest.skip("the one all-gather of both selections runs at P = 2 only")
+    step's bit for bit, and the residual conserves the mass) and its bytes are counted.
+    At other world sizes no such all-gather runs, and the rest still holds."""
+    pairs = hvd.size() == 2  # elsewhere no all-gather of both selections runs
     numel, density = 40_000, 0.01
     capacity = int(1.25 * math.ceil(density * numel))  # 500 rows
     shapes: list[int] = []
@@ -121,13 +121,16 @@ def test_the_pair_all_gather_has_one_shape_and_counts_its_padding(monkeypatch):
         )
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=f"step {step}")
         # Mass: summed over both ranks, what each held plus its gradient is what it still
-        # holds plus the sum (op=Average: twice the result).
+        # holds plus the sum (op=Average: P times the result).
         held = before + grad - hvds.residual("pair.padded.True")
         total = hvd.allreduce(held.sum().reshape(1), op=hvd.Sum)
-        torch.testing.assert_close(total, 2.0 * ours.sum().reshape(1), rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(total, hvd.size() * ours.sum().reshape(1), rtol=1e-4, atol=1e-3)
         stats = hvds.stats("pair.padded.True")
         refreshes.append(stats.global_refreshes)
-        if not stats.global_refreshes:  # a reused step: the all-gather's bytes alone
+        if pairs and not stats.global_refreshes:  # a reused step: the all-gather's bytes
             assert stats.bytes_sent == stats.bytes_received == capacity * 8, stats
-    assert len(shapes) == 10 and set(shapes) == {capacity}, shapes
+    if pairs:
+        assert len(shapes) == 10 and set(shapes) == {capacity}, shapes
+    else:
+        assert shapes == [], shapes
     assert 0 < sum(refreshes) < len(refreshes), refreshes

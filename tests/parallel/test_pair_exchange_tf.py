@@ -58,9 +58,9 @@ def test_the_pair_all_gather_has_one_shape_and_counts_its_padding(traced, monkey
     """At P = 2 each rank's rows are padded to the most the selection returns
     (floor(1.25 k)), so Horovod's all-gather sees one shape on every step, reused or
     refreshed; the padding never reaches the sums (the results equal the two-collective
-    step's bit for bit, and the residual conserves the mass) and its bytes are counted."""
-    if hvd.size() != 2:
-        pytest.skip("the one all-gather of both selections runs at P = 2 only")
+    step's bit for bit, and the residual conserves the mass) and its bytes are counted.
+    At other world sizes no such all-gather runs, and the rest still holds."""
+    pairs = hvd.size() == 2  # elsewhere no all-gather of both selections runs
     numel, density = 40_000, 0.01
     capacity = int(1.25 * math.ceil(density * numel))  # 500 rows
     shapes = []
@@ -95,13 +95,18 @@ def test_the_pair_all_gather_has_one_shape_and_counts_its_padding(traced, monkey
         ours, theirs = ours_of(grad), theirs_of(grad)
         np.testing.assert_array_equal(ours.numpy(), theirs.numpy(), err_msg=f"step {step}")
         # Mass: what this rank held plus its gradient is what it still holds plus its
-        # share of the sum, summed over both ranks (op=Average halves the sum).
+        # share of the sum, summed over the ranks (op=Average: the sum over P).
         after = hvds.residual_variables()[f"{tag}.True"].numpy()
         held = hvd.allreduce(tf.constant(np.sum(before + grad.numpy() - after)), op=hvd.Sum)
-        np.testing.assert_allclose(held.numpy(), 2.0 * np.sum(ours.numpy()), rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(
+            held.numpy(), hvd.size() * np.sum(ours.numpy()), rtol=1e-4, atol=1e-3
+        )
         stats = hvds.stats(f"{tag}.True")
         refreshes.append(stats.global_refreshes)
-        if not stats.global_refreshes:  # a reused step: the all-gather's bytes alone
+        if pairs and not stats.global_refreshes:  # a reused step: the all-gather's bytes
             assert stats.bytes_sent == stats.bytes_received == capacity * 8, stats
-    assert len(shapes) == 10 and set(shapes) == {capacity}, shapes
+    if pairs:
+        assert len(shapes) == 10 and set(shapes) == {capacity}, shapes
+    else:
+        assert shapes == [], shapes
     assert 0 < sum(refreshes) < len(refreshes), refreshes
