@@ -86,16 +86,20 @@ class Backend(Protocol):
 
     def update_cells(
         self,
-        update: Callable[[Any, Sequence[Cell], Sequence[Any]], None],
+        update: Callable[[Any, Sequence[Cell], Sequence[Any]], Any],
         cells: Sequence[Cell],
         inputs: Sequence[Any],
         unread: Sequence[Cell] = (),
-    ) -> None:
+        returns: Sequence[Any] = (),
+    ) -> Any:
         """``update(ops, [*cells, *unread], inputs)``: with this backend for ``ops``, or,
         where the update's scalar arithmetic costs more as kernels than as one host call
         (TF with the NumPy kernels), once on the host: ``HOST_SCALARS`` for ``ops``, the
         cells' values and the tensor inputs as NumPy arrays, every cell written back
-        after. ``unread``: cells the update sets without reading them first (not read)."""
+        after. ``unread``: cells the update sets without reading them first (not read).
+        ``returns``: the update returns a tuple of 1-D tensors, one per entry, each of
+        that entry's dtype (a tensor's, or ``"int64"``); this returns them (None where
+        ``returns`` is empty)."""
 
     def select(self, pred: Any, then: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
         """:meth:`cond` for a scalar whose two values are cheap and free of collectives:

@@ -31,13 +31,14 @@ class HorovodPrimitives(HostCounts):
 
     def update_cells(
         self,
-        update: Callable[[Any, Sequence[Cell], Sequence[Any]], None],
+        update: Callable[[Any, Sequence[Cell], Sequence[Any]], Any],
         cells: Sequence[Cell],
         inputs: Sequence[Any],
         unread: Sequence[Cell] = (),
-    ) -> None:
+        returns: Sequence[Any] = (),
+    ) -> Any:
         """Here, with this backend's own kernels (see :meth:`Backend.update_cells`)."""
-        update(self, [*cells, *unread], inputs)
+        return update(self, [*cells, *unread], inputs)
 
     def rank(self, process_set: Any) -> int:
         return int(process_set.rank())

@@ -5,6 +5,7 @@ Sends nothing. Keeps everything it does not select (the caller leaves it in the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from horovod_sparse.common.backend import Backend, Cell, Tensor, host_at_least
@@ -21,6 +22,9 @@ class LocalSelection(Protocol):
 
     def select(self, ops: Backend, accumulator: Tensor, k: Any) -> Tensor:
         """``k``: a host int, or a graph scalar below n (see ``Backend.sparse_budget``)."""
+
+    def select_values(self, ops: Backend, accumulator: Tensor, k: Any) -> tuple[Tensor, Tensor]:
+        """:meth:`select`'s indices and the accumulator's values at them."""
 
     def most_rows(self, ops: Backend, k: Any) -> Any:
         """The most indices :meth:`select` returns for budget ``k``, whatever the values."""
@@ -43,6 +47,10 @@ class ExactSelection:
 
     def select(self, ops: Backend, accumulator: Tensor, k: Any) -> Tensor:
         return ops.topk_indices(accumulator, k)
+
+    def select_values(self, ops: Backend, accumulator: Tensor, k: Any) -> tuple[Tensor, Tensor]:
+        indices = ops.topk_indices(accumulator, k)
+        return indices, ops.take(accumulator, indices)
 
     def most_rows(self, ops: Backend, k: Any) -> Any:
         return k
@@ -131,10 +139,35 @@ class ThresholdSelection:
         return ops.scaled_count(k, self.band[1], rounding="floor")
 
     def select(self, ops: Backend, accumulator: Tensor, k: Any) -> Tensor:
-        numel = ops.length(accumulator)
-        if host_at_least(k, numel):
+        if host_at_least(k, ops.length(accumulator)):
             return ops.topk_indices(accumulator, k)
-        threshold_cell, calls_cell, stale_cell = self._state(ops, accumulator)
+        return self._select(ops, self._state(ops, accumulator), accumulator, k)
+
+    def select_values(self, ops: Backend, accumulator: Tensor, k: Any) -> tuple[Tensor, Tensor]:
+        """One :meth:`Backend.update_cells`: under TF with the NumPy kernels, the
+        estimate, the pass, the band's decisions, the trim, the take and the state's
+        writes are one host call, not about 30 kernels and two host calls."""
+        if host_at_least(k, ops.length(accumulator)):
+            indices = ops.topk_indices(accumulator, k)
+            return indices, ops.take(accumulator, indices)
+        selected: tuple[Tensor, Tensor] = ops.update_cells(
+            self._select_values,
+            self._state(ops, accumulator),
+            [accumulator, k],
+            returns=("int64", accumulator),
+        )
+        return selected
+
+    def _select_values(
+        self, ops: Backend, cells: Sequence[Cell], inputs: Sequence[Any]
+    ) -> tuple[Tensor, Tensor]:
+        accumulator, k = inputs
+        indices = self._select(ops, cells, accumulator, k)
+        return indices, ops.take(accumulator, indices)
+
+    def _select(self, ops: Backend, cells: Sequence[Cell], accumulator: Tensor, k: Any) -> Tensor:
+        numel = ops.length(accumulator)
+        threshold_cell, calls_cell, stale_cell = cells
         # Integer bounds, the same test for an integer count (TF compares int64 tensors);
         # host ints, or graph scalars when k is one (a decaying density under TF).
         low = ops.scaled_count(k, self.band[0], rounding="ceil")

@@ -49,8 +49,7 @@ class SparseStages(PairStages):
         ops = self.ops
         # Step 3: local selection; what is not selected stays in the residual.
         current = ops.value_of(accumulator)
-        indices = self.selection.select(ops, current, self.k)
-        values = ops.take(current, indices)
+        indices, values = self.selection.select_values(ops, current, self.k)
         self.keep_unsent(accumulator, indices, values)
         if self.velocity is not None:
             self.velocity = ops.zero_at(self.velocity, indices)

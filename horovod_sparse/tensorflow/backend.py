@@ -59,10 +59,15 @@ class TFBackend(wire_rows.WireRows, HorovodPrimitives):
         return tf.cond(pred, then, otherwise)
 
     def update_cells(
-        self, update: Callable[..., None], cells: Sequence[Any], inputs: Any, unread: Any = ()
-    ) -> None:
-        if not kernels.update_cells_on_host(update, cells, inputs, unread):
-            update(self, [*cells, *unread], inputs)
+        self,
+        update: Callable[..., Any],
+        cells: Sequence[Any],
+        inputs: Any,
+        unread: Any = (),
+        returns: Any = (),
+    ) -> Any:
+        served, results = kernels.update_cells_on_host(update, cells, inputs, unread, returns)
+        return results if served else update(self, [*cells, *unread], inputs)
 
     def select(self, pred: Any, then: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
         if isinstance(pred, (bool, np.bool_)):

@@ -149,21 +149,23 @@ def _kth_largest(keys: np.ndarray, k: np.ndarray) -> tuple[np.ndarray]:
 
 
 def update_cells_on_host(
-    update: Callable[[Any, Sequence[Any], Sequence[Any]], None],
+    update: Callable[[Any, Sequence[Any], Sequence[Any]], Any],
     cells: Sequence[VariableCell],
     inputs: Sequence[Any],
     unread: Sequence[VariableCell] = (),
-) -> bool:
+    returns: Sequence[Any] = (),
+) -> tuple[bool, Any]:
     """``Backend.update_cells`` as one host call, where the NumPy kernels serve every
-    float input (:func:`host_pass_fits`); False, having done nothing, where they do not.
-    Eagerly on the values; in a trace one ``tf.numpy_function`` between the cells'
-    reads and their assigns."""
+    float input (:func:`host_pass_fits`): ``(True, the update's 1-D results or None)``;
+    ``(False, None)``, having done nothing, where they do not. Eagerly on the values; in
+    a trace one ``tf.numpy_function`` between the cells' reads and their assigns."""
     floats = [x for x in inputs if tf.is_tensor(x) and x.dtype.is_floating]
     if not host_kernels() or not all(host_pass_fits(x) for x in floats):
-        return False
+        return False, None
     places = [place for place, x in enumerate(inputs) if tf.is_tensor(x)]
     written = [*cells, *unread]
     dtypes = [tf.as_dtype(cell.variable.dtype) for cell in written]  # Keras: a name
+    result_dtypes = [tf.int64 if isinstance(kind, str) else kind.dtype for kind in returns]
 
     def call(*arrays: np.ndarray) -> list[np.ndarray]:
         held = [HostCell(value) for value in arrays[: len(cells)]]
@@ -171,19 +173,25 @@ def update_cells_on_host(
         given = list(inputs)  # host values as they are, tensors as their arrays
         for place, array in zip(places, arrays[len(cells) :]):
             given[place] = array
-        update(HOST_SCALARS, held, given)
-        return [np.asarray(cell.get(), dtype.as_numpy_dtype) for cell, dtype in zip(held, dtypes)]
+        made = update(HOST_SCALARS, held, given)
+        states = [np.asarray(cell.get(), dtype.as_numpy_dtype) for cell, dtype in zip(held, dtypes)]
+        outputs = [np.asarray(x, d.as_numpy_dtype) for x, d in zip(made or (), result_dtypes)]
+        return states + outputs
 
     values = [cell.get() for cell in cells] + [inputs[place] for place in places]
     if tf.executing_eagerly():
         results: list[Any] = call(*(np.asarray(value) for value in values))
+        made = [tf.convert_to_tensor(array) for array in results[len(written) :]]
     else:
-        results = tf.numpy_function(call, values, dtypes, stateful=False)
-        for result in results:
+        results = tf.numpy_function(call, values, dtypes + result_dtypes, stateful=False)
+        made = list(results[len(written) :])
+        for result in results[: len(written)]:
             result.set_shape([])
+        for result in made:
+            result.set_shape([None])
     for cell, result in zip(written, results):
         cell.set(result)
-    return True
+    return True, (tuple(made) if returns else None)
 
 
 def split_by_mask(mask: tf.Tensor, *tensors: tf.Tensor) -> tuple[list[tf.Tensor], list[tf.Tensor]]:

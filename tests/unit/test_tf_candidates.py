@@ -149,3 +149,83 @@ def test_both_row_sums_add_each_index_in_row_order(monkeypatch, host_pass, dtype
         assert (distinct.dtype, sums.dtype) == (tf.int64, tf.as_dtype(dtype))
         np.testing.assert_array_equal(distinct.numpy(), expected_distinct)
         np.testing.assert_array_equal(sums.numpy(), expected)
+
+
+def _selection_inputs(numel: int, k: int) -> list[np.ndarray]:
+    """Accumulators that take each path of the threshold selection in turn: a count in
+    the band, above it (trimmed), below it (estimated again), and with a misleading
+    sample (exact topk as the last resort), and NaN among the values."""
+    rng = np.random.default_rng(8)
+    plain = rng.standard_normal(numel).astype(np.float32)
+    # Distinct small magnitudes (no ties, whose order topk leaves to the framework).
+    misleading = rng.uniform(0.0, 1e-3, numel).astype(np.float32)
+    stride = numel // 1280  # the sample's stride at this numel and k (sample_length)
+    # The sample's offset is the call count: 3 at this, the fourth call, 4 when the
+    # threshold is estimated again.
+    misleading[np.arange(300) * stride + 3] = 1.0
+    misleading[np.arange(300) * stride + 4] = 2.0
+    with_nan = plain.copy()
+    with_nan[rng.choice(numel, 7, replace=False)] = np.nan
+    return [plain, 2.0 * plain, 0.1 * plain, misleading, plain[::-1].copy(), with_nan]
+
+
+def _selections(ops, accumulators, k, reestimate_steps, step=None, convert=tf.constant):
+    """Each call's (indices, values, state) of one ThresholdSelection over ``accumulators``."""
+    from horovod_sparse.common.selection import ThresholdSelection
+
+    selection = ThresholdSelection(reestimate_steps=reestimate_steps)
+    selection.bind(ops, convert(accumulators[0]))
+
+    def select(values):
+        return selection.select_values(ops, values, k)
+
+    calls = []
+    for values in accumulators:
+        indices, taken = (step or (lambda f: f))(select)(convert(values))
+        state = {name: np.asarray(value) for name, value in selection.state_dict().items()}
+        calls.append((np.asarray(indices), np.asarray(taken), state))
+    return calls
+
+
+@pytest.mark.parametrize("reestimate_steps", [1, 3])
+@pytest.mark.parametrize("traced", [False, True])
+def test_the_one_host_call_selection_equals_the_kernels_call_by_call(
+    monkeypatch, reestimate_steps, traced
+):
+    """TF's one host call against TF's kernels and torch's selection (the reference): the
+    same indices, values and state at every call. With a NaN in the estimate's sample
+    TF's ``NthElement`` orders it as it happens to (here two more candidates than torch);
+    the host call counts it the largest, as torch does, so that call (the last: the
+    state it leaves differs too) is checked against torch alone."""
+    import torch
+
+    from horovod_sparse.torch.backend import TorchBackend
+
+    numel, k = 10_000, 2000
+    accumulators = _selection_inputs(numel, k)
+    reference = _selections(
+        TorchBackend(), accumulators, k, reestimate_steps, convert=torch.from_numpy
+    )
+    runs = {}
+    for host_pass in (False, True):
+        monkeypatch.setattr(kernels, "HOST_PASS", host_pass)
+        step = tf.function if traced else None
+        runs[host_pass] = _selections(TFBackend(), accumulators, k, reestimate_steps, step)
+    for call, values in enumerate(accumulators):
+        expected = [reference[call]] + ([] if np.isnan(values).any() else [runs[False][call]])
+        host_indices, host_values, host_state = runs[True][call]
+        for indices, taken, state in expected:
+            np.testing.assert_array_equal(host_indices, indices, err_msg=f"call {call}")
+            np.testing.assert_array_equal(host_values, taken, err_msg=f"call {call}")
+            for name in state:
+                np.testing.assert_array_equal(host_state[name], state[name], err_msg=name)
+        # Within the band (exactly k where the last resort ran), ascending, the values
+        # those of the accumulator.
+        assert 0.8 * k <= host_indices.size <= 1.25 * k
+        assert np.all(np.diff(host_indices) > 0)
+        np.testing.assert_array_equal(host_values, values[host_indices])
+    # The misleading sample reached the exact topk: its 600 large entries and the
+    # largest small ones, k in all.
+    misleading = runs[True][3][0]
+    assert misleading.size == k
+    assert np.count_nonzero(accumulators[3][misleading] >= 1.0) == 600
